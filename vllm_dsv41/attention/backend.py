@@ -1,0 +1,364 @@
+"""Attention backend, metadata builder and per-step metadata of our caches.
+
+Owns: ``DSV41CacheBackend`` (the backend every cache layer of the plugin
+returns from ``get_attn_backend``), its metadata builder, and the two
+dataclasses the model reads in ``forward``:
+
+* ``DSV41StepMetadata``: per step, per request (row order of the runner's
+  input batch): request ids, query_start_loc, seq_lens, context lengths,
+  positions, token -> request index, ``replay_start``, Engram lookback ids.
+* ``DSV41GroupMetadata``: per KV-cache group: block table, slot mapping (our
+  own for compressed groups), ring block ids; each links back to its step.
+
+The backend does no attention math; the model does that in torch.  The
+runner calls ``build`` once per KV-cache group; the per-request fields come
+from the step context that ``runner_hooks`` publishes around the runner's
+``_build_attention_metadata``.  Without the hooks (or outside model runner
+V1) the builder still works, with ``replay_start`` 0 and lookback ids -1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import (
+    CircularBufferSpec,
+    KVCacheLayout,
+    MLAAttentionSpec,
+    SlidingWindowMLASpec,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheSpec
+
+BACKEND_NAME = "DSV41_CACHE"
+LOOKBACK_DEPTH = 3
+PAD_SLOT = -1
+
+
+@dataclass
+class DSV41StepMetadata:
+    """What one engine step schedules, request by request (CPU tensors).
+
+    Rows follow the runner's input batch; ``req_ids[i]`` is ``None`` for rows
+    without a request (dummy/profile runs).  Tokens are flattened request by
+    request: request ``i`` owns ``query_start_loc[i]:query_start_loc[i+1]``.
+    """
+
+    num_reqs: int
+    num_tokens: int
+    req_ids: list[str | None]
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, context + this step's tokens
+    context_lens: torch.Tensor  # [num_reqs] int32, tokens computed before
+    positions: torch.Tensor  # [num_tokens] int64
+    token_req_idx: torch.Tensor  # [num_tokens] int64, row of each token
+    # Position below which the request holds no SWA KV (bounded replay after
+    # a prefix hit); 0 when nothing was replayed.  Constant per request.
+    replay_start: torch.Tensor  # [num_reqs] int32
+    # Tokens the scheduler replays after a hit (the SWA window); 0 if off.
+    replay_window: int
+    # lookback_token_ids[i, j] = token id at position context_lens[i] - 1 - j
+    # (nearest first, like vLLM's own ``lookback_token_ids``); -1 if unknown.
+    lookback_token_ids: torch.Tensor  # [num_reqs, 3] int32
+    is_prefill: torch.Tensor  # [num_reqs] bool, still inside the prompt
+    # Layer name -> metadata of the KV-cache group that layer belongs to.
+    groups: dict[str, DSV41GroupMetadata] = field(default_factory=dict, repr=False)
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    def for_layer(self, layer_name: str) -> DSV41GroupMetadata:
+        return self.groups[layer_name]
+
+    def replayed_token_mask(self) -> torch.Tensor:
+        """[num_tokens] bool: tokens the scheduler replays after a prefix hit
+        (their cached global KV must not be rewritten)."""
+        start = self.replay_start.to(torch.int64)[self.token_req_idx]
+        pos = self.positions
+        return (start > 0) & (pos >= start) & (pos < start + self.replay_window)
+
+
+@dataclass
+class DSV41GroupMetadata:
+    """Addressing of one KV-cache group for the current step.
+
+    ``slot`` ``s`` is row ``s % rows_per_block`` of block
+    ``s // rows_per_block`` in the layer's cache (see ``caches.py``).
+    """
+
+    kind: str  # "swa" | "compressed" | "ring"
+    block_size: int  # original tokens per block (ring: capacity)
+    tokens_per_state: int  # tokens per row (compressed ratio; 1 otherwise)
+    rows_per_block: int
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    # [num_tokens] int64 row each token writes, -1 = no write.  swa: the
+    # token's own row; compressed: row of entry p // r, written only by the
+    # token with (p + 1) % r == 0 and never for replayed tokens; ring: row
+    # p % capacity of the request's ring block.
+    slot_mapping: torch.Tensor
+    ring_block_ids: torch.Tensor | None  # [num_reqs] int32 (ring groups)
+    layer_names: list[str]
+    step: DSV41StepMetadata = field(repr=False)
+
+    def slots_of_entries(self, req_idx: int, entries: torch.Tensor) -> torch.Tensor:
+        """Rows of a request's entries (token positions for swa, compressed
+        indices j for compressed groups) through its block table."""
+        e = self.rows_per_block
+        entries = entries.to(torch.int64)
+        blocks = self.block_table[req_idx].to(torch.int64)[entries // e]
+        return blocks * e + entries % e
+
+
+def current_step() -> DSV41StepMetadata | None:
+    """The step metadata of the running forward; None without attention
+    metadata (profile/dummy runs that skip attention)."""
+    if not is_forward_context_available():
+        return None
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return None
+    for value in attn_metadata.values():
+        if isinstance(value, DSV41GroupMetadata):
+            return value.step
+    return None
+
+
+def layer_metadata(layer_name: str) -> DSV41GroupMetadata | None:
+    """The group metadata of one cache layer in the running forward."""
+    if not is_forward_context_available():
+        return None
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return None
+    value = attn_metadata.get(layer_name)
+    return value if isinstance(value, DSV41GroupMetadata) else None
+
+
+# --------------------------------------------------------------------------
+# Step context: published by runner_hooks around one metadata build.
+
+
+@dataclass
+class RunnerStepInfo:
+    """Per-request facts only the model runner knows (numpy, row order)."""
+
+    req_ids: list[str]
+    replay_start: np.ndarray  # [n] int32
+    replay_window: int
+    lookback_token_ids: np.ndarray  # [n, LOOKBACK_DEPTH] int32
+    is_prefill: np.ndarray  # [n] bool
+    step: DSV41StepMetadata | None = None  # built by the first group
+
+
+_pending: RunnerStepInfo | None = None
+
+
+def set_pending_step_info(info: RunnerStepInfo | None) -> None:
+    global _pending
+    _pending = info
+
+
+def _build_step(
+    cm: CommonAttentionMetadata, info: RunnerStepInfo | None
+) -> DSV41StepMetadata:
+    num_reqs = cm.num_reqs
+    qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int32)
+    num_tokens = int(qsl[-1])
+    query_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
+    seq_lens = cm.seq_lens[:num_reqs].to("cpu", torch.int32)
+    context_lens = seq_lens - query_lens.to(torch.int32)
+    if cm.positions is not None:
+        positions = cm.positions[:num_tokens].to("cpu", torch.int64)
+    else:
+        positions = _positions_from(context_lens, query_lens)
+    token_req_idx = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
+
+    replay_start = torch.zeros(num_reqs, dtype=torch.int32)
+    lookback = torch.full((num_reqs, LOOKBACK_DEPTH), -1, dtype=torch.int32)
+    is_prefill = torch.zeros(num_reqs, dtype=torch.bool)
+    req_ids: list[str | None] = [None] * num_reqs
+    replay_window = 0
+    if info is not None:
+        n = min(len(info.req_ids), num_reqs)
+        req_ids[:n] = info.req_ids[:n]
+        replay_start[:n] = torch.from_numpy(info.replay_start[:n])
+        lookback[:n] = torch.from_numpy(info.lookback_token_ids[:n])
+        is_prefill[:n] = torch.from_numpy(info.is_prefill[:n])
+        replay_window = info.replay_window
+    elif cm.is_prefilling is not None:
+        is_prefill[:] = cm.is_prefilling[:num_reqs].cpu()
+
+    return DSV41StepMetadata(
+        num_reqs=num_reqs,
+        num_tokens=num_tokens,
+        req_ids=req_ids,
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        context_lens=context_lens,
+        positions=positions,
+        token_req_idx=token_req_idx,
+        replay_start=replay_start,
+        replay_window=replay_window,
+        lookback_token_ids=lookback,
+        is_prefill=is_prefill,
+    )
+
+
+def _positions_from(context_lens: torch.Tensor, query_lens: torch.Tensor):
+    starts = torch.repeat_interleave(context_lens.to(torch.int64), query_lens)
+    offsets = torch.arange(int(query_lens.sum())) - torch.repeat_interleave(
+        torch.cumsum(query_lens, 0) - query_lens, query_lens
+    )
+    return starts + offsets
+
+
+# --------------------------------------------------------------------------
+# Backend and builder.
+
+
+def _spec_kind(spec: KVCacheSpec) -> str:
+    if isinstance(spec, SlidingWindowMLASpec):
+        return "swa"
+    if isinstance(spec, CircularBufferSpec):
+        return "ring"
+    if isinstance(spec, MLAAttentionSpec):
+        return "compressed"
+    raise TypeError(f"{BACKEND_NAME} does not handle {type(spec).__name__}")
+
+
+class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
+    """Turns the runner's per-group metadata into ``DSV41GroupMetadata``."""
+
+    def __init__(
+        self,
+        kv_cache_spec: KVCacheSpec,
+        layer_names: list[str],
+        vllm_config: VllmConfig,
+        device: torch.device,
+    ):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.kind = _spec_kind(kv_cache_spec)
+        tps = kv_cache_spec.tokens_per_state
+        self.tokens_per_state = int(tps) if self.kind == "compressed" else 1
+        self.rows_per_block = kv_cache_spec.block_size // self.tokens_per_state
+
+    def build(
+        self,
+        common_prefix_len: int,
+        common_attn_metadata: CommonAttentionMetadata,
+        fast_build: bool = False,
+    ) -> DSV41GroupMetadata:
+        del common_prefix_len, fast_build
+        cm = common_attn_metadata
+        info = _pending
+        if info is not None and info.step is not None:
+            step = info.step
+        else:
+            step = _build_step(cm, info)
+            if info is not None:
+                info.step = step
+
+        n, t = step.num_reqs, step.num_tokens
+        block_table = cm.block_table_tensor[:n].cpu()
+        ring_block_ids = None
+        if self.kind == "swa":
+            slot_mapping = cm.slot_mapping[:t].to("cpu", torch.int64)
+        elif self.kind == "compressed":
+            slot_mapping = self._compressed_slots(step, block_table)
+        else:
+            ring_block_ids = block_table[:, 0].clone()
+            cap = self.kv_cache_spec.block_size
+            ring = ring_block_ids.to(torch.int64)[step.token_req_idx]
+            slot_mapping = ring * cap + step.positions % cap
+            slot_mapping = torch.where(ring > 0, slot_mapping, PAD_SLOT)
+
+        metadata = DSV41GroupMetadata(
+            kind=self.kind,
+            block_size=self.kv_cache_spec.block_size,
+            tokens_per_state=self.tokens_per_state,
+            rows_per_block=self.rows_per_block,
+            block_table=block_table,
+            slot_mapping=slot_mapping,
+            ring_block_ids=ring_block_ids,
+            layer_names=list(self.layer_names),
+            step=step,
+        )
+        for name in self.layer_names:
+            step.groups[name] = metadata
+        return metadata
+
+    def _compressed_slots(
+        self, step: DSV41StepMetadata, block_table: torch.Tensor
+    ) -> torch.Tensor:
+        """Entry j = p // r is written by the token with (p + 1) % r == 0 at
+        row table[j // E] * E + j % E (E rows per block); replayed tokens and
+        tokens of dummy rows write nothing."""
+        r, e = self.tokens_per_state, self.rows_per_block
+        pos = step.positions
+        if pos.numel() == 0:
+            return torch.empty(0, dtype=torch.int64)
+        entry = pos // r
+        col = (entry // e).clamp_(max=block_table.shape[1] - 1)
+        blocks = block_table.to(torch.int64)[step.token_req_idx, col]
+        slots = blocks * e + entry % e
+        writes = ((pos + 1) % r == 0) & (blocks > 0) & ~step.replayed_token_mask()
+        return torch.where(writes, slots, PAD_SLOT)
+
+
+class DSV41CacheBackend(AttentionBackend):
+    """Storage-only backend: allocation constraints and metadata, no kernels."""
+
+    supported_dtypes = [torch.float32, torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes = []  # any; our layers pick their own dtype
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> Any:
+        raise NotImplementedError(f"{BACKEND_NAME} has no attention impl")
+
+    @staticmethod
+    def get_builder_cls() -> type[DSV41CacheMetadataBuilder]:
+        return DSV41CacheMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Our groups mix page sizes (32-token SWA pages, compressed pages,
+        # fp32 rings); only block-outermost layouts let vLLM pack them side by
+        # side in one block instead of unifying page sizes.
+        return (KVCacheLayout.BLHNC, KVCacheLayout.BLNHC)
+
+
+_registered = False
+
+
+def register_cache_backend() -> None:
+    """Add ``DSV41_CACHE`` to ``AttentionBackendEnum`` once per process."""
+    global _registered
+    if _registered:
+        return
+    from vllm.v1.attention.backends.registry import (
+        AttentionBackendEnum,
+        register_backend,
+    )
+
+    path = f"{DSV41CacheBackend.__module__}.{DSV41CacheBackend.__qualname__}"
+    if BACKEND_NAME in AttentionBackendEnum.__members__:
+        register_backend(AttentionBackendEnum[BACKEND_NAME], path)
+    else:
+        register_backend(BACKEND_NAME, path)
+    _registered = True

@@ -1,0 +1,177 @@
+"""Cache-holding layers: one small ``AttentionLayerBase`` per cache kind.
+
+Owns: registering each cache under its prefix in
+``compilation_config.static_forward_context`` (that is how the runner finds
+it, asks for its spec and binds the tensor the engine allocated), and the
+row-level access the model needs: ``write(slots, records)``,
+``read(slots)`` and the ``blocks`` view.
+
+Layer names must contain exactly one integer (vLLM's
+``extract_layer_index``), e.g. ``model.layers.3.attn.swa_cache``.
+
+Bound tensors (views into the engine's shared pool, never copies):
+
+* ``kv_cache``: ``[num_blocks, 1, rows_per_block, row]`` as allocated;
+* ``blocks``:   ``[num_blocks, rows_per_block, row]``; ``row`` is the record
+  in bytes (uint8) or ``head_dim`` bf16 values or, for rings, ``2*D`` fp32.
+
+A slot ``s`` (what ``DSV41GroupMetadata.slot_mapping`` holds) is row
+``s % rows_per_block`` of block ``s // rows_per_block``; block 0 is vLLM's
+null block and is never a real slot.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.kv_cache_interface import KVCacheSpec
+
+from vllm_dsv41.attention import specs
+from vllm_dsv41.attention.backend import (
+    DSV41CacheBackend,
+    DSV41GroupMetadata,
+    layer_metadata,
+    register_cache_backend,
+)
+
+
+class DSV41CacheLayer(nn.Module, AttentionLayerBase):
+    """Base: holds one spec, registers itself, receives its tensor."""
+
+    kind = ""
+
+    def __init__(self, prefix: str, spec: KVCacheSpec):
+        super().__init__()
+        from vllm_dsv41.attention.runner_hooks import install_runner_hooks
+
+        register_cache_backend()
+        install_runner_hooks()
+        self.prefix = prefix
+        self.spec = spec
+        self.kv_cache = torch.tensor([])
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in ctx:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        ctx[prefix] = self
+
+    # --- AttentionLayerBase -------------------------------------------------
+    def get_attn_backend(self) -> type[DSV41CacheBackend]:
+        return DSV41CacheBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        del vllm_config
+        return self.spec
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def forward(self):  # never called; the model reads/writes rows directly
+        raise RuntimeError("cache layers hold storage only")
+
+    # --- access -------------------------------------------------------------
+    @property
+    def rows_per_block(self) -> int:
+        return self.spec.num_states
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """``[num_blocks, rows_per_block, row]`` view of the bound cache."""
+        if self.kv_cache.dim() != 4:
+            raise RuntimeError(f"{self.prefix}: no KV cache bound yet")
+        return self.kv_cache.squeeze(1)
+
+    def metadata(self) -> DSV41GroupMetadata | None:
+        """This layer's group metadata in the running forward (None in
+        profile/dummy runs without attention metadata)."""
+        return layer_metadata(self.prefix)
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store ``rows[i]`` at ``slots[i]``; slots < 0 are skipped."""
+        keep = slots >= 0
+        if not bool(keep.any()):
+            return
+        slots = slots[keep].to(torch.int64)
+        e = self.rows_per_block
+        self.blocks[slots // e, slots % e] = rows[keep].to(self.blocks.dtype)
+
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` (all must be valid, >= 0)."""
+        slots = slots.to(torch.int64)
+        e = self.rows_per_block
+        return self.blocks[slots // e, slots % e]
+
+    def extra_repr(self) -> str:
+        return f"prefix={self.prefix!r}, spec={type(self.spec).__name__}"
+
+
+class SWACache(DSV41CacheLayer):
+    """One layer's sliding-window KV.
+
+    ``bounded_replay`` defaults to ``cache_config.swa_bounded_replay`` (vLLM's
+    own switch, default on): the cache stays out of prefix caching and the
+    scheduler replays the last ``window`` tokens of a prefix hit.  Off, the
+    SWA group is prefix-cached like the compressed ones (and hits must then
+    also align to 32-token SWA blocks).
+    """
+
+    kind = "swa"
+
+    def __init__(
+        self,
+        prefix: str,
+        head_dim: int,
+        window: int,
+        *,
+        fmt: str = "packed",
+        bounded_replay: bool | None = None,
+        block_size: int = specs.SWA_BLOCK_SIZE,
+    ):
+        if bounded_replay is None:
+            cache_config = get_current_vllm_config().cache_config
+            bounded_replay = bool(getattr(cache_config, "swa_bounded_replay", True))
+        super().__init__(
+            prefix,
+            specs.make_swa_spec(
+                head_dim,
+                window,
+                fmt=fmt,
+                bounded_replay=bounded_replay,
+                block_size=block_size,
+            ),
+        )
+        self.window = window
+
+
+class CompressedCache(DSV41CacheLayer):
+    """A KV source's compressed global KV, or (``index=True``) its index K."""
+
+    kind = "compressed"
+
+    def __init__(
+        self,
+        prefix: str,
+        head_dim: int,
+        ratio: int,
+        block_size: int,
+        *,
+        fmt: str = "packed",
+        index: bool = False,
+    ):
+        make = specs.make_index_spec if index else specs.make_compressed_spec
+        super().__init__(prefix, make(head_dim, ratio, block_size, fmt=fmt))
+        self.ratio = ratio
+
+
+class CompressorRing(DSV41CacheLayer):
+    """A ratio-2 source's compressor ring: row p % capacity of the
+    request's single ring block holds position p's [kv | score]."""
+
+    kind = "ring"
+
+    def __init__(
+        self, prefix: str, head_dim: int, capacity: int = specs.RING_CAPACITY
+    ):
+        super().__init__(prefix, specs.make_ring_spec(head_dim, capacity))
+        self.capacity = capacity
