@@ -1,5 +1,42 @@
-"""Plugin registration (placeholder until the vLLM model lands)."""
+"""What the ``vllm.general_plugins`` entry point registers (run once per process).
+
+- the model for ``DeepseekV41ForCausalLM`` (replacing vLLM's built-in one) and the draft for
+  ``DSparkV41DraftModel``, as lazy ``"module:Class"`` strings;
+- a quantisation config that claims V4.1 checkpoints (FP8 32x32 E8M0 + MXFP4 experts), so the engine
+  accepts them on every platform while our model loads the tensors itself;
+- ``VLLM_MLA_DISABLE=1``: vLLM's CPU platform turns prefix caching and chunked prefill off for MLA
+  models other than ``deepseek_v4``; our caches are not vLLM's MLA layers, so the MLA flag must be off.
+
+``VLLM_DSV41_DISABLE=1`` leaves vLLM's built-in V4.1 in place and registers nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+DISABLE_ENV = "VLLM_DSV41_DISABLE"
+MODEL_CLASS = "vllm_dsv41.model_executor.model:DeepseekV41ForCausalLM"
+DRAFT_CLASS = "vllm_dsv41.spec_decode.dspark:DSparkV41DraftModel"
+
+_done = False
+
+
+def disabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "0") not in ("", "0", "false", "False")
 
 
 def register() -> None:
-    return None
+    global _done
+    if _done:
+        return
+    _done = True
+    if disabled():
+        return
+    os.environ.setdefault("VLLM_MLA_DISABLE", "1")
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model("DeepseekV41ForCausalLM", MODEL_CLASS)
+    ModelRegistry.register_model("DSparkV41DraftModel", DRAFT_CLASS)
+    from vllm_dsv41.model_executor.quant import register_quant_config
+
+    register_quant_config()

@@ -1,0 +1,467 @@
+"""DeepSeek-V4.1-Flash as a vLLM model (CPU / plain-PyTorch path).
+
+Owns ``DeepseekV41ForCausalLM``: the same math as ``reference/model.py``
+(architecture.md §2), organised as modules whose parameter names are the
+checkpoint's own (``layers.L.attn.wq_a.weight`` …), so ``load_weights`` is a
+short loop that dequantises FP8 32x32 / MXFP4 / FP8-row tensors on arrival.
+KV state lives in engine-allocated paged caches (``vllm_dsv41.attention``):
+the SWA ring of every layer (MXFP8 records), the compressed KV and index K of
+the KV-source layers (NVFP4 / MXFP4 records) and the ratio-2 compressor ring.
+
+Per step the model reads one :class:`~vllm_dsv41.attention.step.Step`
+(requests, positions, block tables, replay starts, Engram lookback ids).  Rows
+are flattened over requests for the projections, mHC and MoE; attention runs per
+request over gathered, decoded records.  Decoder-side pruning (§3.2) goes
+through :func:`decoder_rows`, the one place a graph split can hook.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from vllm_dsv41 import engram as engram_math
+from vllm_dsv41 import formats
+from vllm_dsv41.attention import caches
+from vllm_dsv41.attention.backend import current_step
+from vllm_dsv41.model_executor.step import Step
+from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
+from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficients, hc_collapse, hc_post,
+                                        index_scores, rms_norm, rope_inv_freq, route, sparse_attention,
+                                        swiglu_clamped, topk_select)
+
+EXACT_ENV = "VLLM_DSV41_EXACT"
+# Tokens per block of the compressed-KV / index-K groups (a multiple of every ratio and of 32).
+COMPRESSED_BLOCK_SIZE = 64
+
+
+def exact_mode() -> bool:
+    """``VLLM_DSV41_EXACT=1``: no bounded replay, no decoder pruning (bit-faithful to the full model)."""
+    return os.environ.get(EXACT_ENV, "0") not in ("", "0", "false", "False")
+
+
+class Dense(nn.Module):
+    """A linear layer holding its weight dequantised (``x @ weight.T``)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape), requires_grad=False)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class Compressor(nn.Module):
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan):
+        super().__init__()
+        self.wkv = Dense(cfg.head_dim, cfg.hidden_size)
+        if plan.compress_ratio == 2:
+            self.wgate = Dense(cfg.head_dim, cfg.hidden_size)
+        self.norm = Norm(cfg.head_dim)
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan):
+        super().__init__()
+        self.wq_b = Dense(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+        self.weights_proj = Dense(cfg.index_n_heads, cfg.hidden_size)
+        if plan.owns_compressor:
+            self.wk = Dense(cfg.index_head_dim, cfg.head_dim)
+            self.k_norm = Norm(cfg.index_head_dim)
+
+
+class Attention(nn.Module):
+    """CSA2 attention of one layer (§2.5) over engine-allocated paged caches."""
+
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan, prefix: str, bounded_replay: bool):
+        super().__init__()
+        self.cfg, self.plan, self.prefix = cfg, plan, prefix
+        D, H = cfg.head_dim, cfg.hidden_size
+        self.wq_a = Dense(cfg.q_lora_rank, H)
+        self.q_norm = Norm(cfg.q_lora_rank)
+        self.wkv = Dense(D, H)
+        self.kv_norm = Norm(D)
+        self.wq_b = Dense(cfg.num_attention_heads * D, cfg.q_lora_rank)
+        self.wo_a = Dense(cfg.o_groups * cfg.o_lora_rank, cfg.heads_per_group * D)
+        self.wo_b = Dense(H, cfg.o_groups * cfg.o_lora_rank)
+        self.attn_sink = _param(cfg.num_attention_heads)
+        if plan.owns_compressor:
+            self.compressor = Compressor(cfg, plan)
+        if plan.owns_indexer:
+            self.indexer = Indexer(cfg, plan)
+        self.register_buffer("inv_freq", rope_inv_freq(plan.rope, cfg.qk_rope_head_dim), persistent=False)
+        self.eps = float(cfg.rms_norm_eps)
+        # engine caches (not parameters): registered in vLLM's forward context by prefix
+        self.swa_cache = caches.SWACache(f"{prefix}.swa_cache", D, cfg.sliding_window,
+                                         bounded_replay=bounded_replay)
+        if plan.owns_compressor:
+            r = plan.compress_ratio
+            self.comp_cache = caches.CompressedCache(f"{prefix}.comp_cache", D, r, COMPRESSED_BLOCK_SIZE)
+            self.index_cache = caches.CompressedCache(f"{prefix}.indexer.k_cache", cfg.index_head_dim, r,
+                                                      COMPRESSED_BLOCK_SIZE, index=True)
+            if r == 2:
+                self.ring = caches.CompressorRing(f"{prefix}.compressor.state_cache", D)
+
+    # -- cache writes (all rows whose KV this layer produces)
+    def _write_swa(self, step: Step, tok: torch.Tensor, kv: torch.Tensor) -> None:
+        slots = step.group(self.swa_cache.prefix).slot_mapping[tok]
+        self.swa_cache.write(slots, formats.encode_mxfp8_record(kv))
+
+    def _compress(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
+        """Compressor (§2.5.4): entries closed by this step's tokens -> compressed KV and index K."""
+        cfg, plan = self.cfg, self.plan
+        r, D = plan.compress_ratio, cfg.head_dim
+        pos, req = step.positions[tok], step.req_idx[tok]
+        kv_c = self.compressor.wkv(x)
+        ci = ((pos + 1) % r == 0).nonzero().flatten()  # tokens that close an entry
+        if r == 2:
+            rows = torch.cat((kv_c, self.compressor.wgate(x)), -1)  # [T, 2D] compressor input
+            ring, ring_md = self.ring, step.group(self.ring.prefix)
+            cap = ring.capacity
+            # partner (position p-1) of each closing token: the previous row of this step, else the ring
+            prev = torch.empty(ci.numel(), 2 * D)
+            for n, t in enumerate(ci.tolist()):
+                if t > 0 and req[t - 1] == req[t] and pos[t - 1] == pos[t] - 1:
+                    prev[n] = rows[t - 1]
+                else:
+                    blk = int(ring_md.ring_block_ids[req[t]])
+                    prev[n] = ring.read(torch.tensor([blk * cap + (int(pos[t]) - 1) % cap]))[0]
+            # the ring keeps each request's last `cap` positions of this step
+            last = step.seq_lens[req] - 1
+            keep = pos > last - cap
+            slots = torch.where(keep, ring_md.slot_mapping[tok], torch.full_like(pos, -1))
+            ring.write(slots, rows)
+            pair = torch.stack((prev, rows[ci]), 1)  # [J, 2, 2D]
+            pooled = (pair[..., :D] * torch.softmax(pair[..., D:], dim=1)).sum(1)
+        else:
+            pooled = kv_c[ci]
+        comp_slots = step.group(self.comp_cache.prefix).slot_mapping[tok[ci]]
+        live = comp_slots >= 0  # replayed tokens keep the cached (possibly shared) entries
+        if not bool(live.any()):
+            return
+        ci, pooled, comp_slots = ci[live], pooled[live], comp_slots[live]
+        z = rms_norm(pooled, self.compressor.norm.weight, self.eps)
+        ent_pos = (pos[ci] // r) * r
+        z_rot = apply_rope(z, ent_pos, self.inv_freq)
+        k_idx = rms_norm(self.indexer.wk(z), self.indexer.k_norm.weight, self.eps)
+        k_idx = apply_rope(k_idx, ent_pos, self.inv_freq)
+        self.comp_cache.write(comp_slots, formats.encode_nvfp4_record(z_rot))
+        idx_slots = step.group(self.index_cache.prefix).slot_mapping[tok[ci]]
+        self.index_cache.write(idx_slots, formats.encode_mxfp4_record(k_idx))
+
+    # -- per-request selection and attention
+    def _select(self, model: "DeepseekV41Model", step: Step, i: int, pos: torch.Tensor,
+                x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        cfg, plan = self.cfg, self.plan
+        n_vis = (pos + 1) // plan.compress_ratio
+        N = int(n_vis.max())
+        src = model.attn_of(plan.kv_source)
+        slots = step.group(src.index_cache.prefix).slots_of_entries(i, torch.arange(N))
+        keys = formats.decode_mxfp4_record(src.index_cache.read(slots), cfg.index_head_dim)
+        qi = self.indexer.wq_b(qr).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+        qi = apply_rope(qi, pos, self.inv_freq)
+        w = self.indexer.weights_proj(x) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        scores = index_scores(qi, w, keys)
+        scores = scores.masked_fill(torch.arange(N)[None, :] >= n_vis[:, None], float("-inf"))
+        if plan.is_candidate_source:
+            step.scratch[("cand", i)] = candidate_mask(scores, n_vis, cfg.candidate_block_size,
+                                                       cfg.candidate_topk_blocks)
+        elif plan.is_candidate_consumer and ("cand", i) in step.scratch:
+            cand = step.scratch[("cand", i)][:, :N]
+            return topk_select(scores.masked_fill(~cand, float("-inf")), n_vis, cfg.index_topk) & cand
+        return topk_select(scores, n_vis, cfg.index_topk)
+
+    def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
+                rows: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+        """x [len(tok), H] for the step tokens ``tok``; KV is written for all of them, attention output
+        is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
+        cfg, plan = self.cfg, self.plan
+        D, W = cfg.head_dim, cfg.sliding_window
+        qr_all = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
+        kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
+        kv = apply_rope(kv, step.positions[tok], self.inv_freq)
+        self._write_swa(step, tok, kv)
+        if plan.owns_compressor:
+            self._compress(step, tok, x)
+        out_tok = tok[rows]
+        xr, qr = x[rows], qr_all[rows]
+        q = apply_rope(self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.positions[out_tok], self.inv_freq)
+        out = torch.empty_like(q)
+        swa_md = step.group(self.swa_cache.prefix)
+        req_of = step.req_idx[out_tok]
+        for i in req_of.unique().tolist():
+            sel_rows = (req_of == i).nonzero().flatten()
+            pos = step.positions[out_tok[sel_rows]]
+            floor = int(floors[i])
+            hi = int(pos.max()) + 1
+            lo = max(int(pos.min()) - W + 1, floor, 0)
+            kp = torch.arange(lo, hi)
+            keys = formats.decode_mxfp8_record(self.swa_cache.read(swa_md.slots_of_entries(i, kp)), D)
+            mask = (kp[None, :] <= pos[:, None]) & (kp[None, :] > pos[:, None] - W) & (kp[None, :] >= floor)
+            if plan.compress_ratio > 0:
+                if plan.owns_indexer:
+                    step.scratch[("topk", plan.layer_id, i)] = self._select(model, step, i, pos, xr[sel_rows],
+                                                                             qr[sel_rows])
+                sel = step.scratch[("topk", plan.index_source, i)]
+                src = model.attn_of(plan.kv_source)
+                N = sel.shape[1]
+                slots = step.group(src.comp_cache.prefix).slots_of_entries(i, torch.arange(N))
+                comp = formats.decode_nvfp4_record(src.comp_cache.read(slots), D)
+                keys = torch.cat((keys, comp))
+                mask = torch.cat((mask, sel), 1)
+            out[sel_rows] = sparse_attention(q[sel_rows], keys, mask, self.attn_sink, D ** -0.5)
+        o = apply_rope(out, step.positions[out_tok], self.inv_freq, inverse=True)
+        G = cfg.o_groups
+        wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, cfg.heads_per_group * D)
+        z = torch.einsum("tgk,gok->tgo", o.reshape(-1, G, cfg.heads_per_group * D), wo_a)
+        return self.wo_b(z.flatten(1))
+
+
+# --------------------------------------------------------------------------- MoE, Engram
+
+
+class Expert(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.w1 = Dense(inter, hidden)
+        self.w3 = Dense(inter, hidden)
+        self.w2 = Dense(hidden, inter)
+
+
+class Gate(nn.Module):
+    def __init__(self, n_experts: int, hidden: int):
+        super().__init__()
+        self.weight = _param(n_experts, hidden)
+        self.bias = _param(n_experts)
+
+
+class MoE(nn.Module):
+    """sqrtsoftplus-routed experts + shared expert, clamped SwiGLU (§2.7)."""
+
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan):
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Gate(plan.n_routed_experts, H)
+        self.experts = nn.ModuleList(Expert(H, I) for _ in range(plan.n_routed_experts))
+        self.shared_experts = Expert(H, I * cfg.n_shared_experts)
+        self.k, self.scale, self.limit = plan.experts_per_tok, float(cfg.routed_scaling_factor), float(cfg.swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
+        y = torch.zeros_like(x)
+        for e in idx.unique().tolist():
+            t, slot = (idx == e).nonzero(as_tuple=True)
+            ex = self.experts[e]
+            out = swiglu_clamped(x[t], ex.w1.weight, ex.w3.weight, ex.w2.weight, self.limit)
+            y.index_add_(0, t, out * wts[t, slot, None])
+        s = self.shared_experts
+        return y + swiglu_clamped(x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit)
+
+
+class EngramTable(nn.Module):
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.weight = _param(rows, dim)
+
+
+class Engram(nn.Module):
+    """n-gram memory injected into the residual streams (§2.6)."""
+
+    def __init__(self, cfg: DSV41Config, layer_id: int):
+        super().__init__()
+        k = cfg.engram_layer_ids.index(layer_id)
+        C, H, hd = cfg.hc_mult, cfg.hidden_size, cfg.engram_head_dim
+        self.embed = EngramTable(cfg.engram_num_embeddings[k], hd)
+        self.wkv = Dense((C + 1) * H, cfg.engram_n_columns * hd)
+        self.q_weight = _param(C, H)
+        self.k_weight = _param(C, H)
+        self.layer_id, self.eps, self.C, self.H = layer_id, float(cfg.rms_norm_eps), C, H
+
+    def forward(self, S: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        C, H = self.C, self.H
+        kv = self.wkv(self.embed.weight[rows].flatten(1))
+        keys, val = kv[:, :C * H].view(-1, C, H), kv[:, C * H:]
+        dot = (S * (self.q_weight * self.k_weight) * keys).sum(-1)
+        dot = dot * torch.rsqrt(S.pow(2).mean(-1) + self.eps) * torch.rsqrt(keys.pow(2).mean(-1) + self.eps)
+        dot = dot / math.sqrt(H)
+        gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
+        return S + gate.unsqueeze(-1) * val.unsqueeze(1)
+
+
+# --------------------------------------------------------------------------- layers and model
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DSV41Config, layer_id: int, prefix: str, bounded_replay: bool):
+        super().__init__()
+        plan = cfg.plan(layer_id)
+        self.plan = plan
+        H, C = cfg.hidden_size, cfg.hc_mult
+        mix = (2 + C) * C
+        self.attn_norm, self.ffn_norm = Norm(H), Norm(H)
+        self.hc_attn_fn, self.hc_ffn_fn = _param(mix, C * H), _param(mix, C * H)
+        self.hc_attn_base, self.hc_ffn_base = _param(mix), _param(mix)
+        self.hc_attn_scale, self.hc_ffn_scale = _param(3), _param(3)
+        self.attn = Attention(cfg, plan, f"{prefix}.attn", bounded_replay)
+        self.ffn = MoE(cfg, plan)
+        if plan.has_engram:
+            self.engram = Engram(cfg, layer_id)
+        self.eps, self.hc_eps, self.iters = float(cfg.rms_norm_eps), float(cfg.hc_eps), cfg.hc_sinkhorn_iters
+
+    def _coeffs(self, kind: str, S: torch.Tensor):
+        return hc_coefficients(S, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
+                               getattr(self, f"hc_{kind}_scale"), self.eps, self.hc_eps, self.iters)
+
+    def forward(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
+                tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
+        """S, pre for step tokens ``tok``; returns (S, pre) for ``tok[rows]``."""
+        pre_a, post_a, comb_a = self._coeffs("attn", S)
+        x = rms_norm(hc_collapse(S, pre), self.attn_norm.weight, self.eps)
+        y = self.attn(model, step, x, tok, rows, floors)
+        S = hc_post(S[rows], y, post_a[rows], comb_a[rows])
+        pre_f, post_f, comb_f = self._coeffs("ffn", S)
+        x = rms_norm(hc_collapse(S, pre_a[rows]), self.ffn_norm.weight, self.eps)
+        return hc_post(S, self.ffn(x), post_f, comb_f), pre_f
+
+
+def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
+    """CED pruning (§3.2): the step rows the decoder layers run on — each request's last ``window`` rows.
+
+    The one boundary between encoder and decoder: a graph split hooks here.
+    """
+    T = step.positions.numel()
+    if not enabled:
+        return torch.arange(T)
+    keep = []
+    for i in range(step.num_reqs):
+        a, b = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
+        keep.append(torch.arange(max(a, b - window), b))
+    return torch.cat(keep) if keep else torch.arange(0)
+
+
+class DeepseekV41Model(nn.Module):
+    def __init__(self, cfg: DSV41Config, bounded_replay: bool, prefix: str = ""):
+        super().__init__()
+        self.cfg = cfg
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, L, f"{prefix}layers.{L}", bounded_replay) for L in range(cfg.n_layers))
+        self.prune = bounded_replay and cfg.decoder_prunable
+        self._engram = engram_math.engram_hashing_from_config(cfg) if cfg.engram_layer_ids else None
+
+    def set_token_map(self, cmap: torch.Tensor) -> None:
+        self._cmap = cmap
+
+    def engram_rows(self, step: Step, layer_id: int) -> torch.Tensor:
+        key = ("engram", layer_id)
+        if key not in step.scratch:
+            h = self._engram
+            win = step.token_windows(h.max_ngram)
+            cids = torch.where(win >= 0, self._cmap[win.clamp(min=0)], torch.full_like(win, -1))
+            pad = int(self._cmap[h.pad_token_id])
+            step.scratch[key] = engram_math.engram_row_ids(cids, h.layout(layer_id), h.mult(layer_id), pad)
+        return step.scratch[key]
+
+    def attn_of(self, layer_id: int) -> Attention:
+        return self.layers[layer_id].attn
+
+    def forward(self, step: Step, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        T = S.shape[0]
+        tok = torch.arange(T)
+        pre = torch.zeros(T, cfg.hc_mult)
+        pre[:, 0] = 1.0
+        kept = decoder_rows(step, cfg.sliding_window, self.prune and step.needs_pruning(cfg.sliding_window))
+        base_floor = step.replay_start.clone()
+        for L, layer in enumerate(self.layers):
+            plan = layer.plan
+            if plan.has_engram:
+                S = layer.engram(S, self.engram_rows(step, L)[tok])
+            rows = torch.arange(tok.numel())
+            floors = base_floor
+            if kept.numel() < T and L == cfg.boundary_layer:
+                rows = kept  # KV pass on every row, attention + MoE on the kept rows
+            elif kept.numel() < T and plan.is_decoder:
+                floors = torch.maximum(base_floor, step.seq_lens - cfg.sliding_window)
+            S, pre = layer(self, step, S, pre, tok, rows, floors)
+            tok = tok[rows]
+        return S, pre, tok
+
+
+def _compressed_token_map(vllm_config, cfg: DSV41Config) -> torch.Tensor:
+    """Engram's normalised token map, built from the served tokenizer and checked against the config."""
+    from transformers import AutoTokenizer
+
+    mc = vllm_config.model_config
+    tok = AutoTokenizer.from_pretrained(mc.tokenizer, revision=mc.tokenizer_revision,
+                                        trust_remote_code=mc.trust_remote_code)
+    cmap, n = engram_math.build_compressed_token_map(tok)
+    if n != cfg.engram_compressed_vocab_size:
+        raise ValueError(f"config key 'engram_compressed_vocab_size' is {cfg.engram_compressed_vocab_size}, but "
+                         f"the tokenizer at {mc.tokenizer} normalises to {n} ids")
+    return torch.as_tensor(cmap, dtype=torch.long)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    """vLLM entry class for architecture ``DeepseekV41ForCausalLM`` (text path)."""
+
+    def __init__(self, *, vllm_config, prefix: str = ""):
+        super().__init__()
+        self.vllm_config = vllm_config
+        self.cfg = from_hf_config(vllm_config.model_config.hf_config)
+        self.bounded_replay = not exact_mode()
+        cfg = self.cfg
+        self.embed = Norm(1)
+        self.embed.weight = _param(cfg.vocab_size, cfg.hidden_size)
+        self.model = DeepseekV41Model(cfg, self.bounded_replay, prefix=f"{prefix}.model." if prefix else "model.")
+        self.norm = Norm(cfg.hidden_size)
+        self.head = Dense(cfg.vocab_size, cfg.hidden_size)
+        if cfg.engram_layer_ids:
+            self.model.set_token_map(_compressed_token_map(vllm_config, cfg))
+
+    # vLLM model interface -------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed.weight[input_ids]
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        cfg = self.cfg
+        e = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        T = e.shape[0]
+        meta = current_step()
+        if meta is None or meta.num_tokens == 0 or meta.num_tokens > T:  # profile / dummy run: no caches
+
+            return torch.zeros(T, cfg.hidden_size, dtype=e.dtype, device=e.device)
+        n = meta.num_tokens  # rows past n are the runner's padding
+        step = Step(meta, input_ids[:n] if input_ids is not None else None)
+        S = e[:n].float()[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()
+        S, pre, tok = self.model(step, S)
+        h = rms_norm(hc_collapse(S, pre), self.norm.weight, float(cfg.rms_norm_eps))
+        out = torch.zeros(T, cfg.hidden_size, dtype=h.dtype)
+        out[tok] = h  # rows the decoder skipped stay zero; only each request's last row is sampled
+        return out
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden_states.float())
+
+    # weights ------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from vllm_dsv41.model_executor.loader import load_dsv41_weights
+
+        return load_dsv41_weights(self, weights, draft=False)
