@@ -1,0 +1,57 @@
+"""vLLM (with this plugin) against the reference oracle, token for token, on the tiny checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.conftest import engine
+
+MAX_TOKENS = 8
+
+
+def _generate(llm, prompts, logits=False):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1 if logits else None)
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+
+
+@pytest.mark.parametrize("chunk", [None, 24], ids=["one-chunk", "chunked-24"])
+def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk):
+    kw = dict(logprobs_mode="raw_logits")
+    if chunk:
+        kw.update(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
+    with engine(tiny_ckpt, exact=True, **kw) as llm:
+        outs = _generate(llm, prompts, logits=True)
+    worst = 0.0
+    for p, o in zip(prompts, outs):
+        ref_tokens, ref_logits = tiny_model.generate(p, MAX_TOKENS)
+        got = list(o.outputs[0].token_ids)
+        assert got == ref_tokens, f"prompt of {len(p)} tokens: vLLM {got} != reference {ref_tokens}"
+        for step, (tok, lp) in enumerate(zip(got, o.outputs[0].logprobs)):
+            diff = abs(lp[tok].logprob - ref_logits[step][tok].item())
+            worst = max(worst, diff)
+    print(f"exact mode (chunk={chunk}): {len(prompts)} prompts x {MAX_TOKENS} tokens equal; "
+          f"largest |logit difference| of the chosen token per step = {worst:.3e}")
+    assert worst < 5e-2
+
+
+def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts):
+    W = tiny_model.cfg.sliding_window
+    base = prompts[-1]  # 200 tokens
+    follow = base[:150] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # shares 150 tokens: a 128-token block hit
+    with engine(tiny_ckpt, exact=False, max_num_batched_tokens=4096, enable_prefix_caching=True) as llm:
+        first = _generate(llm, prompts)
+        second = _generate(llm, [follow])[0]
+    for p, o in zip(prompts, first):  # decoder pruning on, no hits (fresh prompts)
+        ref, _ = tiny_model.generate(p, MAX_TOKENS, prune=True)
+        assert list(o.outputs[0].token_ids) == ref, f"pruned prefill of {len(p)} tokens differs"
+    hit = second.num_cached_tokens
+    print(f"prefix hit: {hit} cached tokens of {len(follow)}; replay_start = {hit - W}")
+    assert hit >= 64 and hit % 64 == 0, "the prefix-cache hit was not taken"
+    ref, _ = tiny_model.generate(follow, MAX_TOKENS, prune=True, replay_start=hit - W, hit=hit)
+    assert list(second.outputs[0].token_ids) == ref
+    exact_ref, _ = tiny_model.generate(follow, MAX_TOKENS)
+    print("replayed:", ref, "exact:", exact_ref)
