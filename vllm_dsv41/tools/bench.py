@@ -268,7 +268,7 @@ class _Progress:
             try:
                 from tqdm import tqdm
                 self.bar = tqdm(total=total, desc=desc, unit="req", leave=False,
-                                dynamic_ncols=True, file=sys.stderr)
+                                dynamic_ncols=True, file=sys.stderr, disable=None)
             except ImportError:
                 self.bar = None
         self.failed = 0
@@ -332,11 +332,11 @@ async def _run_level(args, session, cfg, workload, conc: int, state: _RunState,
             next_session += 1
             sess = workload.session(conc, s_idx)
             for k, turn in enumerate(sess.plan.turns):
-                if k and turn.think_time_s > 0:
-                    await asyncio.sleep(turn.think_time_s)
-                i = take()
+                i = take()  # reserve the turn before thinking: no idle tail at the end
                 if i is None:
                     return
+                if k and turn.think_time_s > 0:
+                    await asyncio.sleep(turn.think_time_s)
                 prompt = sess.prompt(k)
                 rec = await one(prompt, turn.output_len,
                                 {"index": i, "session": s_idx, "turn": k,
@@ -530,7 +530,7 @@ async def _sweep(args, state: _RunState) -> int:
                 "return_token_ids": cfg.return_token_ids,
                 "extra_body": args.extra_body, "serve_cmd": args.serve_cmd,
                 "warmup_requests": args.warmup_requests,
-                "argv": sys.argv[1:] if args._from_cli else None,
+                "argv": args._argv,
             }
             result: dict[str, Any] = {
                 "schema": SCHEMA, "status": "running",
@@ -763,8 +763,9 @@ def _compare_main(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point; returns the exit code (callable from tests)."""
     parser = build_parser()
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    args._from_cli = argv is None
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    args = parser.parse_args(argv)
+    args._argv = argv
     if args.cmd is None:
         parser.print_help(sys.stderr)
         return 2
