@@ -32,6 +32,8 @@ from vllm.v1.kv_cache_interface import (
 SWA_BLOCK_SIZE = 32
 #: Rows of the per-request compressor ring (>= ratio + speculative lookahead).
 RING_CAPACITY = 8
+#: Tokens per block of the compressed-KV / index-K groups (a multiple of every ratio and of 32).
+COMPRESSED_BLOCK_SIZE = 64
 
 RECORD_FORMATS = ("packed", "bf16")
 
@@ -177,3 +179,39 @@ def _record_layout(
             raise ValueError(f"bf16 records need an even byte count: {record_bytes}")
         return torch.bfloat16, record_bytes
     return torch.uint8, record_bytes
+
+
+def model_cache_specs(cfg, *, bounded_replay: bool = True, fmt: str = "packed",
+                      include_draft: bool = False, prefix: str = "model.") -> dict:
+    """Every cache the V4.1 model declares, by layer name -> spec (what the engine allocates).
+
+    ``cfg`` is a ``DSV41Config``; the names are the ones the model registers.
+    """
+    out = {}
+    n = cfg.n_layers + (cfg.n_draft_layers if include_draft else 0)
+    for plan in cfg.plans[:n]:
+        a = f"{prefix}layers.{plan.layer_id}.attn"
+        out[f"{a}.swa_cache"] = make_swa_spec(cfg.head_dim, cfg.sliding_window, fmt=fmt,
+                                              bounded_replay=bounded_replay)
+        if plan.owns_compressor:
+            r = plan.compress_ratio
+            out[f"{a}.comp_cache"] = make_compressed_spec(cfg.head_dim, r, COMPRESSED_BLOCK_SIZE, fmt=fmt)
+            out[f"{a}.indexer.k_cache"] = make_index_spec(cfg.index_head_dim, r, COMPRESSED_BLOCK_SIZE, fmt=fmt)
+            if r == 2:
+                out[f"{a}.compressor.state_cache"] = make_ring_spec(cfg.head_dim)
+    return out
+
+
+def kv_bytes(specs: dict) -> dict:
+    """Allocated bytes: global (prefix-cacheable) per token, and the bounded per-request SWA/ring state."""
+    glob = swa = ring = 0.0
+    for spec in specs.values():
+        if isinstance(spec, CircularBufferSpec):
+            ring += spec.page_size_bytes  # one block per request
+        elif isinstance(spec, SlidingWindowMLASpec):
+            # a decode step needs the window's last W-1 positions + the new one: at most this many blocks
+            blocks = -(-(spec.sliding_window - 1) // spec.block_size) + 1
+            swa += blocks * spec.page_size_bytes
+        else:
+            glob += spec.page_size_bytes / spec.block_size
+    return {"global_bytes_per_token": glob, "swa_bytes_per_request": swa, "ring_bytes_per_request": ring}

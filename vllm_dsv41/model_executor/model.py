@@ -27,6 +27,7 @@ from torch import nn
 from vllm_dsv41 import engram as engram_math
 from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
+from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -35,8 +36,6 @@ from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficie
                                         swiglu_clamped, topk_select)
 
 EXACT_ENV = "VLLM_DSV41_EXACT"
-# Tokens per block of the compressed-KV / index-K groups (a multiple of every ratio and of 32).
-COMPRESSED_BLOCK_SIZE = 64
 
 
 def exact_mode() -> bool:
