@@ -55,3 +55,20 @@ def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts):
     assert list(second.outputs[0].token_ids) == ref
     exact_ref, _ = tiny_model.generate(follow, MAX_TOKENS)
     print("replayed:", ref, "exact:", exact_ref)
+
+
+def test_served_dtype_and_dummy_weights(tiny_ckpt, tiny_model, prompts):
+    """The checkpoint's bf16 dtype serves the same tokens (the CPU path computes in fp32), and
+    ``load_format="dummy"`` runs with finite logits."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with engine(tiny_ckpt, exact=True, dtype="auto") as llm:
+        outs = _generate(llm, prompts[:3])
+    for p, o in zip(prompts[:3], outs):
+        assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS)[0]
+    with engine(tiny_ckpt, exact=False, load_format="dummy") as llm:
+        o = llm.generate([TokensPrompt(prompt_token_ids=prompts[4])],
+                         SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
+    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+    assert len(o.outputs[0].token_ids) == 4 and all(abs(x) < 1e4 for x in lps)

@@ -44,11 +44,14 @@ def exact_mode() -> bool:
 
 
 class Dense(nn.Module):
-    """A linear layer holding its weight dequantised (``x @ weight.T``)."""
+    """A linear layer holding its weight dequantised (``x @ weight.T``).
+
+    The CPU path keeps every parameter in fp32 whatever the served dtype: it is the path the
+    reference is compared against, and CPU matmuls gain nothing from bf16 here."""
 
     def __init__(self, out_features: int, in_features: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.t()
@@ -57,11 +60,11 @@ class Dense(nn.Module):
 class Norm(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
 
 
 def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape), requires_grad=False)
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
 
 
 # --------------------------------------------------------------------------- attention
