@@ -1,7 +1,8 @@
 """What the ``vllm.general_plugins`` entry point registers (run once per process).
 
-- the model for ``DeepseekV41ForCausalLM`` (replacing vLLM's built-in one) and the draft for
-  ``DSparkV41DraftModel``, as lazy ``"module:Class"`` strings;
+- the model for ``DeepseekV41ForCausalLM`` (replacing vLLM's built-in one) as a lazy
+  ``"module:Class"`` string (the DSpark draft ``DSparkV41DraftModel`` stays vLLM's until our drafter
+  runs inside the engine: registering a placeholder would break the built-in one);
 - a quantisation config that claims V4.1 checkpoints (FP8 32x32 E8M0 + MXFP4 experts), so the engine
   accepts them on every platform while our model loads the tensors itself;
 - ``VLLM_MLA_DISABLE=1``: vLLM's CPU platform turns prefix caching and chunked prefill off for MLA
@@ -16,7 +17,6 @@ import os
 
 DISABLE_ENV = "VLLM_DSV41_DISABLE"
 MODEL_CLASS = "vllm_dsv41.model_executor.model:DeepseekV41ForCausalLM"
-DRAFT_CLASS = "vllm_dsv41.spec_decode.dspark:DSparkV41DraftModel"
 
 _done = False
 
@@ -36,7 +36,6 @@ def register() -> None:
     from vllm import ModelRegistry
 
     ModelRegistry.register_model("DeepseekV41ForCausalLM", MODEL_CLASS)
-    ModelRegistry.register_model("DSparkV41DraftModel", DRAFT_CLASS)
     from vllm_dsv41.model_executor.quant import register_quant_config
 
     register_quant_config()
