@@ -1,0 +1,516 @@
+"""mHC boundary ops: ``dsv41::mhc_pre``, ``dsv41::mhc_post`` and the fused ``dsv41::mhc_post_pre``.
+
+Specification: architecture.md §2.3 (boundary math, delayed pre-mix) and §7.4; the oracle is
+``reference/model.py`` (``hc_coefficients``, ``sinkhorn``, ``hc_collapse``, ``hc_post``, ``rms_norm``),
+and each ``*_ref`` below returns the same numbers as composing those helpers.
+
+Maths (one boundary; S is the stream [T, C, H], v = S flattened to [T, C*H] in fp32, NMIX = (2+C)*C)::
+
+    m    = (v @ fn^T) * rsqrt(mean(v^2) + eps)                       [T, NMIX]
+    pre  = sigmoid(scale[0] * m[:, :C] + base[:C]) + hc_eps          [T, C]   carried to the next boundary
+    post = 2 * sigmoid(scale[1] * m[:, C:2C] + base[C:2C])           [T, C]
+    comb = sinkhorn(scale[2] * m[:, 2C:] + base[2C:], as [C, C])     [T, C, C] row i = source stream
+    x    = RMSNorm_w(sum_j pre_prev[j] * S[j])                       [T, H]   sublayer input (delayed pre-mix)
+
+    mhc_post:      S_new[t, j] = sum_i comb[t, i, j] * S[t, i] + post[t, j] * y[t]
+    mhc_post_pre:  mhc_pre(mhc_post(S, y, post, comb), next boundary's fn/base/scale, pre_prev = pre, ...)
+
+``mhc_post_pre`` ("Mega-mHC") is the post-mix of sublayer k followed by the pre of boundary k+1; it
+writes the new stream and reuses it from registers for the projection, which saves one read of S.
+
+Why these are ops: in eager PyTorch a boundary is ~100 small kernels (the 20-round Sinkhorn alone is
+~80 launches on a [T, 4, 4] tensor) and several full passes over S, while the whole boundary is memory
+bound on S.  As custom ops, torch.compile sees one opaque node each (the fake impls give the shapes) and
+the launch heuristics, which depend on the token count, run at call time.
+
+Kernel design (CUDA, Triton):
+
+* ``_mhc_pre_kernel`` (grid: token blocks x H splits) reads S once.  A program owns BLOCK_T tokens and a
+  slice of H, and walks the slice in BLOCK_H chunks; for every stream j the projection partial
+  ``S[:, j, chunk] @ fn[:, j*H + chunk]^T`` goes through ``tl.dot`` (NMIX padded to NP), and sum(v^2) and
+  the collapse ``h = sum_j pre_prev[j] * S[j]`` (plus sum(h^2)) are computed from the same registers.
+  The partial projection and both sums of squares go to a small fp32 buffer [SPLIT, T, NP] (columns
+  NMIX and NMIX+1 hold the sums); h goes, unnormalised, into the x output.  With FUSE_POST the program
+  first forms stream j of the post-mixed stream from the C source tiles, y, post and comb (the source
+  tiles are re-read per j, from L1: a [BLOCK_T, C, BLOCK_H] tile held in registers spills), stores it
+  rounded to S's dtype and goes on with the rounded values, so the fused op equals the composition.
+  ``_mhc_post_kernel`` does the same arithmetic in the same order, so both give bitwise equal streams.
+* ``_mhc_pre_epilogue_kernel`` (grid: token blocks x (H blocks + 1)) adds the partials over the splits.
+  The last program column computes the sigmoids and the Sinkhorn for its tokens in registers
+  ([BLOCK_T, C, C]); the others scale their slice of x by rsqrt(mean(h^2) + eps) * w in place.
+* Why two kernels: x needs mean(h^2) over all of H before any element can be written, while the
+  projection needs many tokens per program to reuse fn (2 MB fp32 at C=4, H=5120): at small T one token
+  block is split over ~100+ programs to read fn and S at full bandwidth; at T=8192, 64-token blocks make
+  fn's re-reads hit L2.  Parking h in x (T*H elements, a quarter of S) is cheaper than reading S twice.
+  The split count is chosen so that token blocks x splits is about two programs per SM; the partials are
+  deterministic (no atomics), so results do not depend on the launch order.
+* Numerics: fp32 accumulation throughout.  For bf16 S the operands of ``tl.dot`` are S (exact in bf16)
+  and fn split into bf16 hi + lo parts (two MMAs, ~2^-17 relative error per product, i.e. fp32-level);
+  for other dtypes ``input_precision="tf32x3"``.  h is parked in x's dtype, so a bf16 x is rounded twice
+  (h, then the normalised value): at most one extra bf16 ulp against the reference.
+* ``_mhc_post_kernel`` (grid: token blocks x H blocks) is a plain streaming kernel: read S and y once,
+  write S_new once.
+* Checked without a GPU: every default tile of ``_pre_config`` builds for sm_90 (Triton 3.9, ptxas)
+  with 64-174 registers and no spills; the interpreter tests run all kernels on CPU tensors.  Its dot
+  cannot take bf16 operands, hence the BF16_MMA flag (off only under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from types import SimpleNamespace
+
+import torch
+
+from vllm_dsv41.ops import define_op
+
+# Bound to ``triton.language`` by ``_triton()`` on first CUDA use, so this module imports without Triton.
+# The kernels below are plain functions until ``_kernels()`` wraps them with ``triton.jit``; their
+# annotations are strings (``from __future__ import annotations``), which Triton reads as written.
+tl = None
+
+
+def _triton():
+    global tl
+    import triton
+    import triton.language as tl  # noqa: F811  (rebinds the module-level placeholder)
+
+    return triton
+
+
+# --------------------------------------------------------------------------- references (CPU path, oracle)
+
+
+def _sinkhorn_ref(logits: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
+    """Row softmax + hc_eps, column step, then (iters - 1) rounds of row and column normalisation."""
+    a = torch.softmax(logits, dim=-1) + hc_eps
+    a = a / (a.sum(-2, keepdim=True) + hc_eps)
+    for _ in range(iters - 1):
+        a = a / (a.sum(-1, keepdim=True) + hc_eps)
+        a = a / (a.sum(-2, keepdim=True) + hc_eps)
+    return a
+
+
+def mhc_pre_ref(stream: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float, hc_eps: float,
+                iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """stream [T, C, H] -> x [T, H] (stream's dtype), pre [T, C], post [T, C], comb [T, C, C] (fp32)."""
+    T, C, _ = stream.shape
+    s = stream.float()
+    v = s.flatten(1)
+    m = (v @ fn.float().t()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    pre = torch.sigmoid(scale[0] * m[:, :C] + base[:C]) + hc_eps
+    post = 2.0 * torch.sigmoid(scale[1] * m[:, C:2 * C] + base[C:2 * C])
+    comb = _sinkhorn_ref((scale[2] * m[:, 2 * C:] + base[2 * C:]).view(T, C, C), hc_eps, iters)
+    h = (pre_prev.float().unsqueeze(-1) * s).sum(1)
+    x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+    return x.to(stream.dtype), pre, post, comb
+
+
+def mhc_post_ref(stream: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """stream [T, C, H], y [T, H], post [T, C], comb [T, C, C] -> new stream [T, C, H] (stream's dtype)."""
+    mixed = torch.einsum("tij,tih->tjh", comb.float(), stream.float())
+    return (mixed + post.float().unsqueeze(-1) * y.float().unsqueeze(1)).to(stream.dtype)
+
+
+def mhc_post_pre_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torch.Tensor, comb_prev: torch.Tensor,
+                     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, pre_prev: torch.Tensor,
+                     norm_w: torch.Tensor, eps: float, hc_eps: float, iters: int):
+    """Post-mix of the previous sublayer, then the next boundary's pre -> (new stream, x, pre, post, comb)."""
+    new_stream = mhc_post_ref(stream, y, post_prev, comb_prev)
+    return (new_stream, *mhc_pre_ref(new_stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters))
+
+
+# --------------------------------------------------------------------------- Triton kernels
+
+
+def _mhc_pre_kernel(
+    s_ptr,          # [T, C, H] stream entering the boundary; with FUSE_POST the stream before the post-mix
+    y_ptr,          # [T, H]    sublayer output (FUSE_POST only)
+    post_prev_ptr,  # [T, C]    fp32 post-mix of the previous boundary (FUSE_POST only)
+    comb_prev_ptr,  # [T, C, C] fp32 comb of the previous boundary, row = source (FUSE_POST only)
+    snew_ptr,       # [T, C, H] out: post-mixed stream, S's dtype (FUSE_POST only)
+    fn_ptr,         # [NMIX, C*H] fp32, column j*H + h multiplies S[:, j, h]
+    pre_prev_ptr,   # [T, C]    fp32 carried pre-mix
+    h_ptr,          # [T, H]    out: sum_j pre_prev[j] * S[j], unnormalised (x's buffer)
+    part_ptr,       # [SPLIT, T, NP] out: fp32 partial projection; column NMIX = sum v^2, NMIX+1 = sum h^2
+    T, H, HS,       # tokens, hidden size, H covered by one split (a multiple of BLOCK_H)
+    stride_st, stride_sc, stride_sh,
+    stride_yt, stride_yh,
+    stride_pot, stride_poc,
+    stride_cot, stride_coi, stride_coj,
+    stride_nt, stride_nc, stride_nh,
+    stride_fn, stride_fk,
+    stride_ppt, stride_ppc,
+    stride_ht, stride_hh,
+    stride_ps, stride_pt, stride_pn,
+    C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    # Move every token-indexed pointer to this block's first token in 64-bit scalar arithmetic (T*C*H
+    # overflows int32 past ~100k tokens); the per-element offsets below stay 32-bit and small.
+    t0 = (pid_t * BLOCK_T).to(tl.int64)
+    s_ptr += t0 * stride_st
+    y_ptr += t0 * stride_yt
+    post_prev_ptr += t0 * stride_pot
+    comb_prev_ptr += t0 * stride_cot
+    snew_ptr += t0 * stride_nt
+    pre_prev_ptr += t0 * stride_ppt
+    h_ptr += t0 * stride_ht
+    part_ptr += t0 * stride_pt + pid_s * stride_ps
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T - pid_t * BLOCK_T
+    offs_c = tl.arange(0, C)
+    offs_n = tl.arange(0, NP)
+    mask_n = offs_n < NMIX
+
+    pp = tl.load(pre_prev_ptr + offs_t[:, None] * stride_ppt + offs_c[None, :] * stride_ppc,
+                 mask=mask_t[:, None], other=0.0).to(tl.float32)                      # [BLOCK_T, C]
+
+    acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
+    ssq_v = tl.zeros([BLOCK_T], dtype=tl.float32)
+    ssq_h = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for k in range(0, HS, BLOCK_H):
+        h0 = pid_s * HS + k
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        mask_th = mask_t[:, None] & mask_h[None, :]                                       # [BLOCK_T, BLOCK_H]
+        if FUSE_POST:
+            y = tl.load(y_ptr + offs_t[:, None] * stride_yt + offs_h[None, :] * stride_yh,
+                        mask=mask_th, other=0.0).to(tl.float32)                      # [BLOCK_T, BLOCK_H]
+        h = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(C):
+            if FUSE_POST:
+                # new stream j = sum_i comb[i, j] * S[i] + post[j] * y, rounded to S's dtype before use.
+                # The C source tiles are re-read for every j (L1 hits): cheaper in registers than
+                # holding a [BLOCK_T, C, BLOCK_H] tile.
+                s_j = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+                for i in tl.static_range(C):
+                    c_ij = tl.load(comb_prev_ptr + offs_t * stride_cot + i * stride_coi + j * stride_coj,
+                                   mask=mask_t, other=0.0).to(tl.float32)              # [BLOCK_T]
+                    s_i = tl.load(s_ptr + offs_t[:, None] * stride_st + i * stride_sc + offs_h[None, :] * stride_sh,
+                                  mask=mask_th, other=0.0).to(tl.float32)
+                    s_j += c_ij[:, None] * s_i
+                post_j = tl.load(post_prev_ptr + offs_t * stride_pot + j * stride_poc,
+                                 mask=mask_t, other=0.0).to(tl.float32)
+                s_j = (s_j + post_j[:, None] * y).to(snew_ptr.dtype.element_ty)
+                tl.store(snew_ptr + offs_t[:, None] * stride_nt + j * stride_nc + offs_h[None, :] * stride_nh,
+                         s_j, mask=mask_th)
+            else:
+                s_j = tl.load(s_ptr + offs_t[:, None] * stride_st + j * stride_sc + offs_h[None, :] * stride_sh,
+                              mask=mask_th, other=0.0)                               # [BLOCK_T, BLOCK_H]
+            f_j = tl.load(fn_ptr + offs_n[None, :] * stride_fn + (j * H + offs_h)[:, None] * stride_fk,
+                          mask=mask_n[None, :] & mask_h[:, None], other=0.0)         # [BLOCK_H, NP] fp32
+            if BF16_SPLIT:
+                # S is exact in bf16; fn = hi + lo in bf16 keeps ~16 mantissa bits: two bf16 MMAs
+                f_hi = f_j.to(tl.bfloat16)
+                f_lo = (f_j - f_hi.to(tl.float32)).to(tl.bfloat16)
+                if BF16_MMA:
+                    acc = tl.dot(s_j, f_hi, acc)
+                    acc = tl.dot(s_j, f_lo, acc)
+                else:  # the interpreter's dot cannot take bf16: same bf16 values, fp32 products
+                    acc = tl.dot(s_j.to(tl.float32), f_hi.to(tl.float32), acc, input_precision="ieee")
+                    acc = tl.dot(s_j.to(tl.float32), f_lo.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision="tf32x3")
+            s_j = s_j.to(tl.float32)
+            ssq_v += tl.sum(s_j * s_j, axis=1)
+            pp_j = tl.sum(tl.where(offs_c[None, :] == j, pp, 0.0), axis=1)                # [BLOCK_T]
+            h += pp_j[:, None] * s_j
+        ssq_h += tl.sum(h * h, axis=1)
+        tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_h[None, :] * stride_hh,
+                 h.to(h_ptr.dtype.element_ty), mask=mask_th)
+
+    acc = tl.where(offs_n[None, :] == NMIX, ssq_v[:, None], acc)
+    acc = tl.where(offs_n[None, :] == NMIX + 1, ssq_h[:, None], acc)
+    tl.store(part_ptr + offs_t[:, None] * stride_pt + offs_n[None, :] * stride_pn, acc, mask=mask_t[:, None])
+
+
+def _mhc_pre_epilogue_kernel(
+    part_ptr,   # [SPLIT, T, NP] fp32 partials from _mhc_pre_kernel
+    base_ptr,   # [NMIX] fp32
+    scale_ptr,  # [3] fp32
+    w_ptr,      # [H] norm weight
+    x_ptr,      # [T, H] in: unnormalised collapse h; out: RMSNorm_w(h)
+    pre_ptr,    # [T, C] out fp32
+    post_ptr,   # [T, C] out fp32
+    comb_ptr,   # [T, C, C] out fp32
+    T, H, SPLIT, NHB,            # NHB: H blocks; program column NHB computes the coefficients
+    inv_ch, inv_h, eps, hc_eps, iters,
+    stride_ps, stride_pt, stride_pn,
+    stride_xt, stride_xh,
+    stride_pret, stride_prec,
+    stride_pot, stride_poc,
+    stride_ct, stride_ci, stride_cj,
+    C: tl.constexpr, NMIX: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    offs_t = offs_t.to(tl.int64)
+    row = part_ptr + offs_t * stride_pt                                                  # [BLOCK_T] pointers
+
+    if pid_h == NHB:
+        offs_c = tl.arange(0, C)
+        m_pre = tl.zeros([BLOCK_T, C], dtype=tl.float32)
+        m_post = tl.zeros([BLOCK_T, C], dtype=tl.float32)
+        m_comb = tl.zeros([BLOCK_T, C, C], dtype=tl.float32)
+        ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        cols_comb = 2 * C + offs_c[None, :, None] * C + offs_c[None, None, :]           # [1, C, C]
+        for s in range(SPLIT):
+            r = row + s * stride_ps
+            m_pre += tl.load(r[:, None] + offs_c[None, :] * stride_pn, mask=mask_t[:, None], other=0.0)
+            m_post += tl.load(r[:, None] + (C + offs_c)[None, :] * stride_pn, mask=mask_t[:, None], other=0.0)
+            m_comb += tl.load(r[:, None, None] + cols_comb * stride_pn, mask=mask_t[:, None, None], other=0.0)
+            ssq += tl.load(r + NMIX * stride_pn, mask=mask_t, other=0.0)
+        rv = tl.rsqrt(ssq * inv_ch + eps)
+        scale_pre = tl.load(scale_ptr)
+        scale_post = tl.load(scale_ptr + 1)
+        scale_comb = tl.load(scale_ptr + 2)
+        pre = tl.sigmoid(scale_pre * (m_pre * rv[:, None]) + tl.load(base_ptr + offs_c)[None, :]) + hc_eps
+        post = 2.0 * tl.sigmoid(scale_post * (m_post * rv[:, None]) + tl.load(base_ptr + C + offs_c)[None, :])
+        logits = scale_comb * (m_comb * rv[:, None, None]) + tl.load(base_ptr + cols_comb)
+        # Sinkhorn on the C x C matrix of every token, in registers (axis 1 = row i, axis 2 = column j)
+        e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+        a = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
+        a = a / (tl.sum(a, axis=1)[:, None, :] + hc_eps)
+        for _it in range(iters - 1):
+            a = a / (tl.sum(a, axis=2)[:, :, None] + hc_eps)
+            a = a / (tl.sum(a, axis=1)[:, None, :] + hc_eps)
+        tl.store(pre_ptr + offs_t[:, None] * stride_pret + offs_c[None, :] * stride_prec, pre, mask=mask_t[:, None])
+        tl.store(post_ptr + offs_t[:, None] * stride_pot + offs_c[None, :] * stride_poc, post, mask=mask_t[:, None])
+        tl.store(comb_ptr + offs_t[:, None, None] * stride_ct + offs_c[None, :, None] * stride_ci
+                 + offs_c[None, None, :] * stride_cj, a, mask=mask_t[:, None, None])
+    else:
+        ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for s in range(SPLIT):
+            ssq += tl.load(row + s * stride_ps + (NMIX + 1) * stride_pn, mask=mask_t, other=0.0)
+        rx = tl.rsqrt(ssq * inv_h + eps)
+        offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        mask = mask_t[:, None] & mask_h[None, :]
+        ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :] * stride_xh
+        h = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        tl.store(ptrs, (h * rx[:, None] * w[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def _mhc_post_kernel(
+    s_ptr,     # [T, C, H] stream before the post-mix
+    y_ptr,     # [T, H] sublayer output
+    post_ptr,  # [T, C] fp32
+    comb_ptr,  # [T, C, C] fp32, row = source stream
+    out_ptr,   # [T, C, H] out: new stream, S's dtype
+    T, H,
+    stride_st, stride_sc, stride_sh,
+    stride_yt, stride_yh,
+    stride_pot, stride_poc,
+    stride_cot, stride_coi, stride_coj,
+    stride_ot, stride_oc, stride_oh,
+    C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    t0 = (tl.program_id(0) * BLOCK_T).to(tl.int64)
+    s_ptr += t0 * stride_st
+    y_ptr += t0 * stride_yt
+    post_ptr += t0 * stride_pot
+    comb_ptr += t0 * stride_cot
+    out_ptr += t0 * stride_ot
+    offs_t = tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T - tl.program_id(0) * BLOCK_T
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_th = mask_t[:, None] & (offs_h < H)[None, :]                                     # [BLOCK_T, BLOCK_H]
+    y = tl.load(y_ptr + offs_t[:, None] * stride_yt + offs_h[None, :] * stride_yh,
+                mask=mask_th, other=0.0).to(tl.float32)
+    # Same arithmetic, in the same order, as the FUSE_POST path of _mhc_pre_kernel (bitwise equal streams)
+    for j in tl.static_range(C):
+        out_j = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        for i in tl.static_range(C):
+            c_ij = tl.load(comb_ptr + offs_t * stride_cot + i * stride_coi + j * stride_coj,
+                           mask=mask_t, other=0.0).to(tl.float32)                      # [BLOCK_T]
+            s_i = tl.load(s_ptr + offs_t[:, None] * stride_st + i * stride_sc + offs_h[None, :] * stride_sh,
+                          mask=mask_th, other=0.0).to(tl.float32)                      # [BLOCK_T, BLOCK_H]
+            out_j += c_ij[:, None] * s_i
+        post_j = tl.load(post_ptr + offs_t * stride_pot + j * stride_poc, mask=mask_t, other=0.0).to(tl.float32)
+        out_j = out_j + post_j[:, None] * y
+        tl.store(out_ptr + offs_t[:, None] * stride_ot + j * stride_oc + offs_h[None, :] * stride_oh,
+                 out_j.to(out_ptr.dtype.element_ty), mask=mask_th)
+
+
+@functools.cache
+def _kernels() -> SimpleNamespace:
+    """``triton.jit`` the kernels once per process (and Triton mode: compiled or TRITON_INTERPRET=1)."""
+    triton = _triton()
+    return SimpleNamespace(pre=triton.jit(_mhc_pre_kernel), pre_epilogue=triton.jit(_mhc_pre_epilogue_kernel),
+                           post=triton.jit(_mhc_post_kernel))
+
+
+# --------------------------------------------------------------------------- launch wrappers
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # interpreter runs on CPU tensors: pretend to be an H100/H200
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _pre_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
+    """Launch parameters of ``_mhc_pre_kernel``: token block, H chunk, warps, stages, H split count.
+
+    Token blocks of 16/32/64 (fn is re-read from L2 once per block, so large T wants 64); 32-wide H
+    chunks, 16 when the post-mix is fused into a 32/64-token block (register pressure: sm_90 builds of
+    these tiles stay at <= 160 registers without spills).  The split count makes token blocks x splits
+    about two programs per SM, so that at small T ~160 programs share the read of fn.
+    """
+    block_t = 16 if T <= 16 else 32 if T <= 32 else 64
+    block_h = 16 if fuse_post and block_t > 16 else 32
+    split = max(1, min(2 * _num_sms(device) // _cdiv(T, block_t), _cdiv(H, block_h)))
+    return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4 if block_t <= 32 else 8, num_stages=2)
+
+
+def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int, int, int]:
+    assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
+    T, C, H = stream.shape
+    nmix = (2 + C) * C
+    assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
+    assert fn.dtype == torch.float32 and fn.shape == (nmix, C * H) and fn.stride(1) == 1, "fn: fp32 [(2+C)*C, C*H]"
+    assert base.shape == (nmix,) and base.is_contiguous() and base.dtype == torch.float32
+    assert scale.shape == (3,) and scale.is_contiguous() and scale.dtype == torch.float32
+    assert pre_prev.shape == (T, C) and norm_w.shape == (H,) and norm_w.is_contiguous()
+    return T, C, H, nmix
+
+
+def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, post_inputs, config):
+    """Shared by mhc_pre and mhc_post_pre; ``post_inputs`` = (y, post_prev, comb_prev) or None."""
+    T, C, H, nmix = _check_pre_args(stream, fn, base, scale, pre_prev, norm_w)
+    dev = stream.device
+    x = torch.empty(T, H, dtype=stream.dtype, device=dev)
+    pre = torch.empty(T, C, dtype=torch.float32, device=dev)
+    post = torch.empty(T, C, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, C, C, dtype=torch.float32, device=dev)
+    fuse = post_inputs is not None
+    new_stream = torch.empty_like(stream) if fuse else None
+    if T == 0:
+        return new_stream, x, pre, post, comb
+
+    cfg = {**_pre_config(T, H, fuse, dev), **(config or {})}
+    block_h = cfg["block_h"]
+    hs = _cdiv(_cdiv(H, cfg["split"]), block_h) * block_h  # H per split, in whole chunks
+    split = _cdiv(H, hs)
+    np_ = _next_pow2(nmix + 2)
+    part = torch.empty(split, T, np_, dtype=torch.float32, device=dev)
+
+    if fuse:
+        y, post_prev, comb_prev = post_inputs
+        assert y.shape == (T, H) and post_prev.shape == (T, C) and comb_prev.shape == (T, C, C)
+        src = (y, post_prev, comb_prev, new_stream)
+        src_strides = (*y.stride(), *post_prev.stride(), *comb_prev.stride(), *new_stream.stride())
+    else:
+        src = (stream, pre_prev, pre_prev, stream)  # placeholders, never dereferenced
+        src_strides = (0,) * 10
+    k = _kernels()
+    k.pre[(_cdiv(T, cfg["block_t"]), split)](
+        stream, *src, fn, pre_prev, x, part,
+        T, H, hs,
+        *stream.stride(), *src_strides, *fn.stride(), *pre_prev.stride(), *x.stride(), *part.stride(),
+        C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
+        FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not _interpreting(),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+    ep_t, ep_h = 8, 512
+    nhb = _cdiv(H, ep_h)
+    k.pre_epilogue[(_cdiv(T, ep_t), nhb + 1)](
+        part, base, scale, norm_w, x, pre, post, comb,
+        T, H, split, nhb,
+        1.0 / (C * H), 1.0 / H, eps, hc_eps, iters,
+        *part.stride(), *x.stride(), *pre.stride(), *post.stride(), *comb.stride(),
+        C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, num_warps=4,
+    )
+    return new_stream, x, pre, post, comb
+
+
+def _mhc_pre_triton(stream, fn, base, scale, pre_prev, norm_w, eps: float, hc_eps: float, iters: int,
+                    config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_pre``; ``config`` overrides ``_pre_config`` (benchmark sweeps)."""
+    _, x, pre, post, comb = _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, None, config)
+    return x, pre, post, comb
+
+
+def _mhc_post_triton(stream, y, post, comb, config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_post``: one token x BLOCK_H columns of every stream per program."""
+    assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
+    T, C, H = stream.shape
+    assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
+    assert y.shape == (T, H) and post.shape == (T, C) and comb.shape == (T, C, C)
+    out = torch.empty_like(stream)
+    if T == 0:
+        return out
+    cfg = {"block_t": 1, "block_h": 1024 if T >= 64 else 256, "num_warps": 4, **(config or {})}
+    grid = (_cdiv(T, cfg["block_t"]), _cdiv(H, cfg["block_h"]))
+    _kernels().post[grid](
+        stream, y, post, comb, out, T, H,
+        *stream.stride(), *y.stride(), *post.stride(), *comb.stride(), *out.stride(),
+        C=C, BLOCK_T=cfg["block_t"], BLOCK_H=cfg["block_h"], num_warps=cfg["num_warps"],
+    )
+    return out
+
+
+def _mhc_post_pre_triton(stream, y, post_prev, comb_prev, fn, base, scale, pre_prev, norm_w, eps: float,
+                         hc_eps: float, iters: int, config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_post_pre``: _mhc_pre_kernel with FUSE_POST, then the epilogue."""
+    return _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters,
+                       (y, post_prev, comb_prev), config)
+
+
+# --------------------------------------------------------------------------- fake (meta) implementations
+
+
+def _mhc_pre_fake(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters):
+    T, C, H = stream.shape
+    f32 = dict(dtype=torch.float32)
+    return (stream.new_empty(T, H), stream.new_empty(T, C, **f32), stream.new_empty(T, C, **f32),
+            stream.new_empty(T, C, C, **f32))
+
+
+def _mhc_post_fake(stream, y, post, comb):
+    return torch.empty_like(stream)
+
+
+def _mhc_post_pre_fake(stream, y, post_prev, comb_prev, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters):
+    return (torch.empty_like(stream), *_mhc_pre_fake(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters))
+
+
+# --------------------------------------------------------------------------- registration
+
+_PRE_ARGS = "Tensor fn, Tensor base, Tensor scale, Tensor pre_prev, Tensor norm_w, float eps, float hc_eps, int iters"
+
+mhc_pre = define_op(
+    "mhc_pre", f"(Tensor stream, {_PRE_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
+    mhc_pre_ref, _mhc_pre_triton, _mhc_pre_fake)
+mhc_post = define_op(
+    "mhc_post", "(Tensor stream, Tensor y, Tensor post, Tensor comb) -> Tensor",
+    mhc_post_ref, _mhc_post_triton, _mhc_post_fake)
+mhc_post_pre = define_op(
+    "mhc_post_pre",
+    f"(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, {_PRE_ARGS}) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+    mhc_post_pre_ref, _mhc_post_pre_triton, _mhc_post_pre_fake)
