@@ -103,7 +103,7 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, k: int,
           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """sqrtsoftplus router: select top-k of (s + bias), weight by unbiased s renormalised, times scaling once."""
     s = torch.sqrt(F.softplus(x @ gate_w.t()))
-    idx = torch.topk(s + bias, k, dim=-1).indices
+    idx = top_indices(s + bias, k)
     w = s.gather(-1, idx)
     return idx, w / w.sum(-1, keepdim=True) * scaling
 
