@@ -53,32 +53,12 @@ import torch.nn.functional as F
 
 from vllm_dsv41.ops import define_op
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only wheels: the module still imports, only the reference is usable.
-    class _TritonStandIn:
-        @staticmethod
-        def jit(fn=None, **kwargs):
-            return fn if fn is not None else (lambda f: f)
-
-    class _LanguageStandIn:
-        @staticmethod
-        def constexpr(value=None):
-            return value
-
-    triton, tl = _TritonStandIn(), _LanguageStandIn()
-    _HAS_TRITON = False
-else:
-    _HAS_TRITON = True
+from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, tl, triton
+from vllm_dsv41.reference.model import top_indices as _top_indices
 
 
 # --------------------------------------------------------------------------- reference
 
-
-def _top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k largest per row, descending; equal scores go to the lower index (stable sort)."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 
 
 def router_ref(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int,
