@@ -537,35 +537,77 @@ def test_cli_entry_points():
 
 
 # ---------------------------------------------------------------------------
-# the real engine (the lead replaces the gate with a tiny-model server fixture)
+# the real engine: the tiny model's OpenAI server on CPU (tests/e2e/server.py, one per session)
+
+try:
+    from tests.e2e.server import tiny_server  # noqa: E402,F401
+except ModuleNotFoundError:  # plain `pytest` does not put the repository root on sys.path
+    sys.path.insert(0, str(REPO))
+    from tests.e2e.server import tiny_server  # noqa: E402,F401
+
+TINY_VOCAB_RANGE = "3,1000"  # the tiny vocabulary has 1024 ids; chat/special tokens sit at the top
 
 
 @pytest.mark.engine
-@pytest.mark.skipif(not os.environ.get("DSV41_TINY_SERVER_URL"),
-                    reason="set DSV41_TINY_SERVER_URL to a running tiny-model server")
-def test_sweep_real_tiny_server(tmp_path):
-    url = os.environ["DSV41_TINY_SERVER_URL"]
-    vocab = int(os.environ.get("DSV41_TINY_VOCAB_SIZE", "1000"))
+def test_sweep_real_tiny_server(tiny_server, tmp_path):  # noqa: F811
+    url = tiny_server.url
+    t0 = time.monotonic()
     rc, data = bench.run_sweep_against(url, tmp_path, workload="random", concurrency=(1, 2),
-                                       num_requests=3, input_len=32, output_len=8,
-                                       vocab_size=vocab, request_timeout=300)
+                                       num_requests=3, input_len=64, output_len=16,
+                                       vocab_range=TINY_VOCAB_RANGE, request_timeout=300)
+    t_random = time.monotonic() - t0
     assert rc == 0, data and data["levels"]
     data = _check_outputs(tmp_path, (1, 2), 3)
+    assert data["status"] == "complete"
+    assert data["server_models"] == ["tiny"] and data["config"]["model"] == "tiny"
+    assert len(data["requests"]) == 6
     for r in data["requests"]:
         assert r["status"] == "ok", r["error"]
-        assert r["prompt_tokens"] == r["usage_prompt_tokens"] == 32
-        assert r["output_tokens"] == r["usage_completion_tokens"] == 8
-        assert r["ttft_s"] > 0 and len(r["itls_s"]) == 7
+        assert r["prompt_tokens"] == r["usage_prompt_tokens"] == 64
+        assert r["output_tokens"] == r["usage_completion_tokens"] == r["max_tokens"] == 16
+        assert r["token_count_source"] == "token_ids"          # vLLM's return_token_ids
+        assert r["ttft_s"] > 0 and len(r["itls_s"]) == 15 and r["interactivity"] > 0
+        assert r["e2e_s"] >= r["ttft_s"]
     for lv in data["levels"]:
-        assert lv["failed"] == 0 and lv["output_tokens"] == 24
+        assert lv["completed"] == 3 and lv["failed"] == 0 and lv["failure_rate"] == 0
+        assert lv["output_tokens"] == 48 and lv["input_tokens"] == 192
         assert lv["output_throughput_tok_s"] > 0 and lv["interactivity_median"] > 0
-    # the agentic workload too: later turns extend the context
-    rc, data = bench.run_sweep_against(url, tmp_path / "agentic", workload="agentic",
-                                       concurrency=(2,), num_requests=4, vocab_size=vocab,
-                                       shared_prefix_len=16, first_turn_len=32,
-                                       turn_input_len=8, turn_output_len=4, turns=3,
-                                       think_time_scale=0, max_context=512,
-                                       request_timeout=300)
-    assert rc == 0
-    assert all(r["status"] == "ok" for r in data["requests"])
-    assert math.isfinite(data["levels"][0]["output_throughput_tok_s"])
+        assert lv["output_throughput_per_gpu"] == pytest.approx(lv["output_throughput_tok_s"])
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [int(r["output_tokens"]) for r in rows] == [48, 48]
+    assert os.path.getsize(tmp_path / "pareto.png") > 0
+
+    # the agentic workload: later turns extend the previous prompt + returned output ids, so
+    # the server's prefix cache (64-token blocks) must report hits on them
+    out = tmp_path / "agentic"
+    t0 = time.monotonic()
+    rc, data = bench.run_sweep_against(url, out, workload="agentic", concurrency=(1, 2),
+                                       num_requests=6, vocab_range=TINY_VOCAB_RANGE,
+                                       shared_prefix_len=64, first_turn_len=96,
+                                       turn_input_len=24, turn_output_len=8, turns=3,
+                                       len_sigma=0, turns_sigma=0, think_time_scale=0,
+                                       max_context=512, request_timeout=300)
+    t_agentic = time.monotonic() - t0
+    assert rc == 0, data and data["levels"]
+    data = _check_outputs(out, (1, 2), 6)
+    assert os.path.getsize(out / "pareto.png") > 0
+    reqs = data["requests"]
+    assert all(r["status"] == "ok" for r in reqs), [r["error"] for r in reqs]
+    later = []
+    for r in reqs:
+        assert r["prompt_tokens"] == r["usage_prompt_tokens"]
+        assert r["output_tokens"] == r["usage_completion_tokens"] == r["max_tokens"]
+        if r["turn"] > 0:
+            assert r["feedback"] == "returned"
+            assert r["prefix_len"] > 128 and r["prompt_tokens"] > r["prefix_len"]
+            later.append(r)
+    assert later, "no session reached a second turn"
+    for r in later:  # every full 64-token block of the previous turn's computed context
+        full_blocks = (r["prefix_len"] - 1) // 64 * 64  # its last output token was never computed
+        assert r["cached_tokens"] is not None and r["cached_tokens"] >= full_blocks, r
+        assert r["cached_tokens"] % 64 == 0 and r["cached_tokens"] < r["prompt_tokens"], r
+    for lv in data["levels"]:
+        assert lv["failed"] == 0 and lv["cached_tokens"] > 0
+        assert math.isfinite(lv["output_throughput_tok_s"])
+    print(f"\nbench sweeps on the tiny server: random {t_random:.1f} s, agentic {t_agentic:.1f} s; "
+          f"agentic later-turn hits: {[(r['prefix_len'], r['cached_tokens']) for r in later]}")

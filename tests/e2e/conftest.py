@@ -41,3 +41,15 @@ def prompts():
     g = torch.Generator().manual_seed(0)
     lens = [5, 17, 40, 64, 90, 100, 130, 33, 200]  # several past the window (16) and top-k (12) entries
     return [[0] + torch.randint(3, 990, (n - 1,), generator=g).tolist() for n in lens]
+
+
+# The session's OpenAI server over the tiny checkpoint (defined in server.py, shared with
+# tests/test_bench.py).  `python -m pytest` has the repository root on sys.path; plain `pytest` does not.
+try:
+    from tests.e2e.server import tiny_server  # noqa: E402,F401
+except ModuleNotFoundError:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.e2e.server import tiny_server  # noqa: E402,F401

@@ -51,7 +51,7 @@ def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts):
     hit = second.num_cached_tokens
     print(f"prefix hit: {hit} cached tokens of {len(follow)}; replay_start = {hit - W}")
     assert hit >= 64 and hit % 64 == 0, "the prefix-cache hit was not taken"
-    ref, _ = tiny_model.generate(follow, MAX_TOKENS, prune=True, replay_start=hit - W, hit=hit)
+    ref, _ = tiny_model.generate(follow, MAX_TOKENS, prune=True, replay_start=hit - W, hit=hit, filler=base)
     assert list(second.outputs[0].token_ids) == ref
     exact_ref, _ = tiny_model.generate(follow, MAX_TOKENS)
     print("replayed:", ref, "exact:", exact_ref)

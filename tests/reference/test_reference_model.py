@@ -50,6 +50,11 @@ def test_chunked_prefill_matches_single_chunk(tiny_model):
     assert a == b
 
 
+def test_one_token_prompts(tiny_model):
+    assert len(tiny_model.generate([tiny_model.cfg.bos_token_id], 3)[0]) == 3
+    assert len(tiny_model.generate(_prompt(tiny_model, 30, seed=8), 3, chunk=1)[0]) == 3
+
+
 def test_greedy_text_is_not_one_repeated_token(tiny_model):
     out, logits = tiny_model.generate(_prompt(tiny_model, 30, seed=3), 24)
     assert len(set(out)) > 4

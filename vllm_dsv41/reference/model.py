@@ -140,6 +140,8 @@ def candidate_mask(scores: torch.Tensor, n_vis: torch.Tensor, block: int, n_bloc
     """Candidate source (§2.5.5): keep the best ``n_blocks`` blocks per row by block max; the block of the
     newest visible entry is always kept.  scores [T, N] (-inf beyond n_vis) -> bool mask [T, N]."""
     T, N = scores.shape
+    if N == 0:
+        return torch.zeros(T, 0, dtype=torch.bool)
     nb = -(-N // block)
     padded = F.pad(scores, (0, nb * block - N), value=float("-inf"))
     bmax = padded.view(T, nb, block).amax(-1)
@@ -307,6 +309,9 @@ class Transformer:
             buf = _grow(s.kv_score.get(L), end, 2 * D)
             buf[first:end] = torch.cat((kv_c, score), -1)
             s.kv_score[L] = buf
+        n_end = end // r
+        s.comp[L] = _grow(s.comp.get(L), n_end, D)
+        s.idxk[L] = _grow(s.idxk.get(L), n_end, c.index_head_dim)
         # entries j whose closing token (j+1)r-1 lies in this chunk [first, end)
         js = list(range((first + r) // r - 1, end // r))
         if not js:
@@ -324,9 +329,6 @@ class Transformer:
         k_idx = rms_norm(z @ w(f"{p}.attn.indexer.wk.weight").t(), w(f"{p}.attn.indexer.k_norm.weight"), self.eps)
         k_idx = apply_rope(k_idx, ent_pos, self._inv_freq[L])
         keep = (jt + 1) * r - 1 >= st.write_global_from
-        n_end = end // r
-        s.comp[L] = _grow(s.comp.get(L), n_end, D)
-        s.idxk[L] = _grow(s.idxk.get(L), n_end, c.index_head_dim)
         s.comp[L][jt[keep]] = self._q(z_rot[keep], "nvfp4")
         s.idxk[L][jt[keep]] = self._q(k_idx[keep], "mxfp4")
 
@@ -539,20 +541,24 @@ class Transformer:
 
     # ------------------------------------------------------------ generation
     def generate(self, prompt: list[int], max_tokens: int, *, prune: bool = False, chunk: int | None = None,
-                 replay_start: int | None = None, hit: int | None = None,
+                 replay_start: int | None = None, hit: int | None = None, filler: list[int] | None = None,
                  stop_at_eos: bool = False) -> tuple[list[int], list[torch.Tensor]]:
         """Greedy decoding.  Returns (tokens, per-step logits).
 
         ``chunk``: prefill in chunks of this size.  ``replay_start``/``hit``: the request was served from a
         prefix-cache hit of ``hit`` tokens; the prompt below ``hit`` is first computed exactly (as the
         request that filled the cache did), then positions [replay_start, len) are recomputed with the SWA
-        floor at ``replay_start`` while the cached global entries below ``hit`` are kept.
+        floor at ``replay_start`` while the cached global entries below ``hit`` are kept.  ``filler``: the
+        prompt of the request that filled the cache, prefilled the way it was (default ``prompt[:hit]``).
+        With quantised records the cached entries depend, through fp32 rounding that a record code can
+        flip on, on the extent of the chunk that wrote them; the engine's numbers are reproduced only
+        when the reference fills the cache the same way.
         """
         s = Session()
         out, logits_seq = [], []
         if replay_start is not None:
             h = hit if hit is not None else replay_start
-            self._prefill(s, prompt[:h], chunk, prune)
+            self._prefill(s, filler if filler is not None else prompt[:h], chunk, prune)
             # forget the prefix's SWA state above replay_start: recompute it, floored
             s.tokens = s.tokens[:replay_start]
             logits = self._prefill(s, prompt[replay_start:], chunk, prune, swa_floor=replay_start,
