@@ -350,7 +350,8 @@ def test_sweep_random_against_stub(tmp_path, capsys):
     for r in ok:
         assert r["prompt_tokens"] == r["usage_prompt_tokens"] == 48
         assert r["output_tokens"] == r["usage_completion_tokens"] == r["max_tokens"] == 12
-        assert len(r["itls_s"]) == 11 and r["ttft_s"] > 0 and r["interactivity"] > 0
+        # 12 tokens, one per event: 11 ITLs, fewer when events share a network read (merged chunks)
+        assert 0 < len(r["itls_s"]) <= 11 and r["ttft_s"] > 0 and r["interactivity"] > 0
         assert r["token_count_source"] == "token_ids"
     for lv in data["levels"]:
         n_ok = sum(1 for r in ok if r["concurrency"] == lv["concurrency"])
@@ -566,7 +567,7 @@ def test_sweep_real_tiny_server(tiny_server, tmp_path):  # noqa: F811
         assert r["prompt_tokens"] == r["usage_prompt_tokens"] == 64
         assert r["output_tokens"] == r["usage_completion_tokens"] == r["max_tokens"] == 16
         assert r["token_count_source"] == "token_ids"          # vLLM's return_token_ids
-        assert r["ttft_s"] > 0 and len(r["itls_s"]) == 15 and r["interactivity"] > 0
+        assert r["ttft_s"] > 0 and 0 < len(r["itls_s"]) <= 15 and r["interactivity"] > 0
         assert r["e2e_s"] >= r["ttft_s"]
     for lv in data["levels"]:
         assert lv["completed"] == 3 and lv["failed"] == 0 and lv["failure_rate"] == 0
