@@ -26,3 +26,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "interpret" in item.name:
             item.add_marker(skip)
+
+
+_ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
+
+
+def run_under_interpreter(args: list[str], timeout: int = 300):
+    """Run ``python <args>`` from the repository root with ``TRITON_INTERPRET=1`` set before Triton is
+    imported (the interpreter runs kernels on CPU tensors); skip without Triton, fail on a non-zero exit."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=str(_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, *args], cwd=_ROOT, env=env, capture_output=True, text=True,
+                       timeout=timeout)
+    print(r.stdout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    return r

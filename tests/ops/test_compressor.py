@@ -8,7 +8,6 @@ the interpreter run; the pytest case below starts it.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from types import SimpleNamespace
@@ -16,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.ops.conftest import assert_close, requires_cuda
+from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import compressor as cp
 from vllm_dsv41.reference.model import Options, Session, Transformer, _Step, apply_rope, rms_norm
@@ -399,12 +398,7 @@ def _interpreter_main() -> int:
 
 
 def test_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "tests.ops.test_compressor", "--interpret"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    run_under_interpreter(["-m", "tests.ops.test_compressor", "--interpret"])
 
 
 # --------------------------------------------------------------------------- CUDA, real sizes

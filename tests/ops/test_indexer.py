@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 
@@ -18,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.ops.conftest import assert_close, requires_cuda
+from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import indexer as ix
 from vllm_dsv41.reference.model import index_scores
@@ -247,12 +246,7 @@ def _interpreter_main() -> int:
 
 
 def test_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "tests.ops.test_indexer", "--interpret"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    run_under_interpreter(["-m", "tests.ops.test_indexer", "--interpret"])
 
 
 REAL = dict(IH=32, ID=128, rows_per_block=64)

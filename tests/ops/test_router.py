@@ -12,16 +12,12 @@ ids may differ only where sqrt(softplus) rounds differently (gap <= 1e-6); "ties
 experts) must resolve identically (lower expert id); random bf16 inputs get a near-tie tolerance.
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.ops.conftest import assert_close, requires_cuda
+from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
 from vllm_dsv41.ops import router as router_mod
 from vllm_dsv41.reference.model import route
 
@@ -156,13 +152,8 @@ torch.save(out, sys.argv[1])
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
     path = tmp_path_factory.mktemp("router") / "interpreted.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_under_interpreter(["-c", _RUNNER, str(path)])
     return torch.load(path)
 
 

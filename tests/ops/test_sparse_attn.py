@@ -8,14 +8,13 @@ is the interpreter run; the pytest case below starts it.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from tests.ops.conftest import assert_close, requires_cuda
+from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import sparse_attn as sa
 from vllm_dsv41.reference.model import apply_rope, sparse_attention
@@ -274,12 +273,7 @@ def _interpreter_main() -> int:
 
 
 def test_triton_interpreter():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "tests.ops.test_sparse_attn", "--interpret"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=300)
-    print(r.stdout)
-    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    run_under_interpreter(["-m", "tests.ops.test_sparse_attn", "--interpret"])
 
 
 # --------------------------------------------------------------------------- CUDA, real sizes

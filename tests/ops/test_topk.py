@@ -9,16 +9,12 @@
 (c) CUDA (H200 run): the registered ops at serving sizes (topk 512; 2048 blocks of 8).
 """
 
-import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.ops.conftest import requires_cuda
+from tests.ops.conftest import run_under_interpreter, requires_cuda
 from vllm_dsv41.ops import topk as topk_mod
 from vllm_dsv41.reference.model import candidate_mask, topk_select
 
@@ -184,13 +180,8 @@ torch.save(out, sys.argv[1])
 
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory):
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
     path = tmp_path_factory.mktemp("topk") / "interpreted.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-c", _RUNNER, str(path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    run_under_interpreter(["-c", _RUNNER, str(path)])
     return torch.load(path)
 
 

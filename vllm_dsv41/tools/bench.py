@@ -25,7 +25,6 @@ import csv
 import datetime as _dt
 import json
 import os
-import shlex
 import signal
 import subprocess
 import sys
