@@ -18,8 +18,12 @@ def _generate(llm, prompts, logits=False):
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
 
 
+@pytest.mark.parametrize("ops", ["0", "1"], ids=["torch", "ops"])
 @pytest.mark.parametrize("chunk", [None, 24], ids=["one-chunk", "chunked-24"])
-def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk):
+def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk, ops, monkeypatch):
+    """``ops``: VLLM_DSV41_OPS, i.e. the plain-PyTorch path or the torch.ops.dsv41 wiring (whose CPU
+    implementations are the op references)."""
+    monkeypatch.setenv("VLLM_DSV41_OPS", ops)
     kw = dict(logprobs_mode="raw_logits")
     if chunk:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
@@ -33,12 +37,14 @@ def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk):
         for step, (tok, lp) in enumerate(zip(got, o.outputs[0].logprobs)):
             diff = abs(lp[tok].logprob - ref_logits[step][tok].item())
             worst = max(worst, diff)
-    print(f"exact mode (chunk={chunk}): {len(prompts)} prompts x {MAX_TOKENS} tokens equal; "
+    print(f"exact mode (chunk={chunk}, ops={ops}): {len(prompts)} prompts x {MAX_TOKENS} tokens equal; "
           f"largest |logit difference| of the chosen token per step = {worst:.3e}")
     assert worst < 5e-2
 
 
-def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts):
+@pytest.mark.parametrize("ops", ["0", "1"], ids=["torch", "ops"])
+def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts, ops, monkeypatch):
+    monkeypatch.setenv("VLLM_DSV41_OPS", ops)
     W = tiny_model.cfg.sliding_window
     base = prompts[-1]  # 200 tokens
     follow = base[:150] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # shares 150 tokens: a 128-token block hit
