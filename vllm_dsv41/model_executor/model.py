@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1-Flash as a vLLM model (CPU / plain-PyTorch path).
+"""DeepSeek-V4.1-Flash as a vLLM model (CPU and CUDA; plain PyTorch or the ``torch.ops.dsv41`` ops).
 
 Owns ``DeepseekV41ForCausalLM``: the same math as ``reference/model.py``
 (architecture.md §2), organised as modules whose parameter names are the
@@ -10,9 +10,17 @@ the KV-source layers (NVFP4 / MXFP4 records) and the ratio-2 compressor ring.
 
 Per step the model reads one :class:`~vllm_dsv41.attention.step.Step`
 (requests, positions, block tables, replay starts, Engram lookback ids).  Rows
-are flattened over requests for the projections, mHC and MoE; attention runs per
+are flattened over requests for the projections, mHC and MoE; the plain path attends per
 request over gathered, decoded records.  Decoder-side pruning (§3.2) goes
 through :func:`decoder_rows`, the one place a graph split can hook.
+
+Two paths, one switch (``VLLM_DSV41_OPS``, see :func:`ops_mode`): the plain-PyTorch path (per-request
+attention over gathered, decoded records; the reference's helpers) and the ops path (whole-batch slot
+lists into ``sparse_attn``, ``index_scores`` + ``candidate_blocks`` / ``topk_select`` for the indexer,
+``compress_insert`` for the compressor, ``router`` for the gate, ``mhc_pre`` / ``mhc_post_pre`` /
+``mhc_post`` for the boundaries).  On CPU the ops run their references and the two paths give the same
+bits.  Every tensor is created on the activations' device; the step metadata is moved there once per
+step (:class:`Step`).
 """
 
 from __future__ import annotations
@@ -321,10 +329,13 @@ class Attention(nn.Module):
         if plan.compress_ratio > 0:
             if plan.owns_indexer:
                 step.scratch[("topk_ids", plan.layer_id)] = self._select_ops(model, step, pos, req, xr, qr)
-            ent = step.scratch[("topk_ids", plan.index_source)]
             src = model.attn_of(plan.kv_source)
-            slots = step.group(src.comp_cache.prefix).slots_of(req, ent)
-            comp_slots = src.comp_cache.flat_slots(slots).to(torch.int32)
+            key = ("comp_slots", plan.index_source, plan.kv_source)  # shared by the selection's consumers
+            comp_slots = step.scratch.get(key)
+            if comp_slots is None:
+                ent = step.scratch[("topk_ids", plan.index_source)]
+                slots = step.group(src.comp_cache.prefix).slots_of(req, ent)
+                comp_slots = step.scratch[key] = src.comp_cache.flat_slots(slots).to(torch.int32)
             comp_cache = src.comp_cache.flat_rows()[0]
         return _ops().sparse_attn(q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors),
                                   comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
