@@ -8,19 +8,35 @@ import torch
 from tests.e2e.conftest import engine
 
 MAX_TOKENS = 8
+_RAW_LOGITS: dict[tuple, list[torch.Tensor]] = {}  # (chunk, ops) -> per prompt [steps, vocab] raw logits
 
 
 def _generate(llm, prompts, logits=False):
+    """Greedy generation; ``logits``: every step's raw logits over the whole vocabulary too."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1 if logits else None)
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=-1 if logits else None)
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
 
 
+def _vocab_logits(out) -> torch.Tensor:
+    steps = out.outputs[0].logprobs
+    V = max(max(d) for d in steps) + 1
+    rows = torch.full((len(steps), V), float("nan"))
+    for k, d in enumerate(steps):
+        for tok, lp in d.items():
+            rows[k, tok] = lp.logprob
+    return rows
+
+
+@pytest.mark.parametrize("ops", ["0", "1"], ids=["torch", "ops"])
 @pytest.mark.parametrize("chunk", [None, 24], ids=["one-chunk", "chunked-24"])
-def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk):
-    kw = dict(logprobs_mode="raw_logits")
+def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk, ops, monkeypatch):
+    """``ops``: VLLM_DSV41_OPS, i.e. the plain-PyTorch path or the torch.ops.dsv41 wiring (whose CPU
+    implementations are the op references)."""
+    monkeypatch.setenv("VLLM_DSV41_OPS", ops)
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
     if chunk:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
     with engine(tiny_ckpt, exact=True, **kw) as llm:
@@ -33,12 +49,27 @@ def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk):
         for step, (tok, lp) in enumerate(zip(got, o.outputs[0].logprobs)):
             diff = abs(lp[tok].logprob - ref_logits[step][tok].item())
             worst = max(worst, diff)
-    print(f"exact mode (chunk={chunk}): {len(prompts)} prompts x {MAX_TOKENS} tokens equal; "
+    _RAW_LOGITS[(chunk, ops)] = [_vocab_logits(o) for o in outs]
+    print(f"exact mode (chunk={chunk}, ops={ops}): {len(prompts)} prompts x {MAX_TOKENS} tokens equal; "
           f"largest |logit difference| of the chosen token per step = {worst:.3e}")
     assert worst < 5e-2
 
 
-def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts):
+@pytest.mark.parametrize("chunk", [None, 24], ids=["one-chunk", "chunked-24"])
+def test_ops_wiring_is_bitwise_equal_to_torch_path(chunk):
+    """On CPU the ops run their references, and every one of them computes what the plain path computes in
+    the same order (attention in float64, see reference.model.sparse_attention): the whole-vocabulary
+    logits of both exact-mode runs above are the same bits."""
+    if (chunk, "0") not in _RAW_LOGITS or (chunk, "1") not in _RAW_LOGITS:
+        pytest.skip("needs both exact-mode runs of this chunking (run the whole module)")
+    for k, (a, b) in enumerate(zip(_RAW_LOGITS[(chunk, "0")], _RAW_LOGITS[(chunk, "1")])):
+        assert a.shape == b.shape and not a.isnan().any(), f"prompt {k}: incomplete logits"
+        assert torch.equal(a, b), f"prompt {k}: ops path differs by {(a - b).abs().max().item():.3e}"
+
+
+@pytest.mark.parametrize("ops", ["0", "1"], ids=["torch", "ops"])
+def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts, ops, monkeypatch):
+    monkeypatch.setenv("VLLM_DSV41_OPS", ops)
     W = tiny_model.cfg.sliding_window
     base = prompts[-1]  # 200 tokens
     follow = base[:150] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # shares 150 tokens: a 128-token block hit

@@ -22,6 +22,8 @@ null block and is never a real slot.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
@@ -88,12 +90,24 @@ class DSV41CacheLayer(nn.Module, AttentionLayerBase):
         return layer_metadata(self.prefix)
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Store ``rows[i]`` at ``slots[i]``; slots < 0 are skipped."""
+        """Store ``rows[i]`` at ``slots[i]``; slots < 0 are skipped.
+
+        Off the CPU the write needs no host sync: skipped rows are redirected to row 0 of the null
+        block 0 (never a real slot) and rewrite the value it already holds."""
+        if rows.shape[0] == 0:
+            return
+        e = self.rows_per_block
+        if slots.device.type != "cpu":
+            keep = slots >= 0
+            slots = torch.where(keep, slots.to(torch.int64), 0)
+            old = self.blocks[0, 0]
+            keep = keep.view(-1, *([1] * (rows.dim() - 1)))
+            self.blocks[slots // e, slots % e] = torch.where(keep, rows.to(self.blocks.dtype), old)
+            return
         keep = slots >= 0
         if not bool(keep.any()):
             return
         slots = slots[keep].to(torch.int64)
-        e = self.rows_per_block
         self.blocks[slots // e, slots % e] = rows[keep].to(self.blocks.dtype)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
@@ -101,6 +115,47 @@ class DSV41CacheLayer(nn.Module, AttentionLayerBase):
         slots = slots.to(torch.int64)
         e = self.rows_per_block
         return self.blocks[slots // e, slots % e]
+
+    def flat_rows(self) -> tuple[torch.Tensor, int, int]:
+        """A 2-D ``[n, row]`` view of the bound cache for the ops, plus the slot map.
+
+        The bound cache is a strided view into the shared pool whose block stride is the packed
+        block, not ``rows_per_block * row`` (see vllm-integration.md), so slot ``s`` (row ``s % E``
+        of block ``s // E``) is not row ``s`` of a plain 2-D view.  This view steps by
+        ``g = gcd(block stride, row stride)`` elements (rows may overlap, each is read or written
+        only at its own start): slot ``s`` is its row ``(s // E) * bstep + (s % E) * rstep``
+        (:meth:`flat_slots`).  When blocks are dense (``block stride == E * row stride``) the map is
+        the identity.  Returns ``(view, bstep, rstep)``.
+        """
+        kv = self.kv_cache
+        if kv.dim() != 4:
+            raise RuntimeError(f"{self.prefix}: no KV cache bound yet")
+        key = (kv.data_ptr(), tuple(kv.shape), tuple(kv.stride()))
+        cached = getattr(self, "_flat", None)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        nb, _, e, row = kv.shape
+        sb, _, sr, sc = kv.stride()
+        if sc != 1:
+            raise RuntimeError(f"{self.prefix}: cache rows must be contiguous")
+        g = math.gcd(sb, sr) if nb > 1 else sr
+        bstep, rstep = sb // g, sr // g
+        n = (nb - 1) * bstep + (e - 1) * rstep + 1
+        if n >= 2 ** 31:
+            raise RuntimeError(f"{self.prefix}: the KV pool is too large for the ops' int32 slot lists ({n} flat "
+                               f"rows of {g} bytes); cap it with kv_cache_memory_bytes or set VLLM_DSV41_OPS=0")
+        flat = kv.as_strided((n, row), (g, 1), kv.storage_offset())
+        self._flat = (key, (flat, bstep, rstep))
+        return self._flat[1]
+
+    def flat_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """Engine slots (-1 = none) -> rows of :meth:`flat_rows` (-1 kept), int64."""
+        _, bstep, rstep = self.flat_rows()
+        e = self.rows_per_block
+        slots = slots.to(torch.int64)
+        if bstep == e * rstep and rstep == 1:
+            return slots
+        return torch.where(slots >= 0, (slots // e) * bstep + (slots % e) * rstep, torch.full_like(slots, -1))
 
     def extra_repr(self) -> str:
         return f"prefix={self.prefix!r}, spec={type(self.spec).__name__}"

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1-Flash as a vLLM model (CPU / plain-PyTorch path).
+"""DeepSeek-V4.1-Flash as a vLLM model (CPU and CUDA; plain PyTorch or the ``torch.ops.dsv41`` ops).
 
 Owns ``DeepseekV41ForCausalLM``: the same math as ``reference/model.py``
 (architecture.md §2), organised as modules whose parameter names are the
@@ -10,9 +10,17 @@ the KV-source layers (NVFP4 / MXFP4 records) and the ratio-2 compressor ring.
 
 Per step the model reads one :class:`~vllm_dsv41.attention.step.Step`
 (requests, positions, block tables, replay starts, Engram lookback ids).  Rows
-are flattened over requests for the projections, mHC and MoE; attention runs per
+are flattened over requests for the projections, mHC and MoE; the plain path attends per
 request over gathered, decoded records.  Decoder-side pruning (§3.2) goes
 through :func:`decoder_rows`, the one place a graph split can hook.
+
+Two paths, one switch (``VLLM_DSV41_OPS``, see :func:`ops_mode`): the plain-PyTorch path (per-request
+attention over gathered, decoded records; the reference's helpers) and the ops path (whole-batch slot
+lists into ``sparse_attn``, ``index_scores`` + ``candidate_blocks`` / ``topk_select`` for the indexer,
+``compress_insert`` for the compressor, ``router`` for the gate, ``mhc_pre`` / ``mhc_post_pre`` /
+``mhc_post`` for the boundaries).  On CPU the ops run their references and the two paths give the same
+bits.  Every tensor is created on the activations' device; the step metadata is moved there once per
+step (:class:`Step`).
 """
 
 from __future__ import annotations
@@ -36,11 +44,37 @@ from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficie
                                         swiglu_clamped, topk_select)
 
 EXACT_ENV = "VLLM_DSV41_EXACT"
+OPS_ENV = "VLLM_DSV41_OPS"
 
 
 def exact_mode() -> bool:
     """``VLLM_DSV41_EXACT=1``: no bounded replay, no decoder pruning (bit-faithful to the full model)."""
     return os.environ.get(EXACT_ENV, "0") not in ("", "0", "false", "False")
+
+
+def ops_mode() -> str:
+    """``VLLM_DSV41_OPS``: ``auto`` (default: the ``torch.ops.dsv41`` ops on CUDA, the plain-PyTorch
+    path elsewhere), ``1`` (the ops everywhere; on CPU they run their references) or ``0`` (the
+    plain-PyTorch path everywhere)."""
+    v = os.environ.get(OPS_ENV, "auto").strip().lower()
+    if v in ("", "auto"):
+        return "auto"
+    if v in ("1", "true", "on", "yes"):
+        return "1"
+    if v in ("0", "false", "off", "no"):
+        return "0"
+    raise ValueError(f"{OPS_ENV}={v!r}: expected auto, 1 or 0")
+
+
+def use_ops(mode: str, device: torch.device) -> bool:
+    return mode == "1" or (mode == "auto" and device.type == "cuda")
+
+
+def _ops():
+    """``torch.ops.dsv41`` with every op of the package registered."""
+    from vllm_dsv41.ops import compressor, indexer, mhc, router, sparse_attn, topk  # noqa: F401
+
+    return torch.ops.dsv41
 
 
 class Dense(nn.Module):
@@ -126,30 +160,37 @@ class Attention(nn.Module):
         slots = step.group(self.swa_cache.prefix).slot_mapping[tok]
         self.swa_cache.write(slots, formats.encode_mxfp8_record(kv))
 
+    def _partners(self, step: Step, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Ratio 2: the compressor row of position p-1 for every token (the partner of a closing
+        token): the previous row of this step when it is that position of the same request, else
+        the request's ring.  Read before this step's ring write.  [T, 2D]."""
+        pos, req = step.positions[tok], step.req_idx[tok]
+        ring_md, cap = step.group(self.ring.prefix), self.ring.capacity
+        t = torch.arange(tok.numel(), device=rows.device)
+        before = (t - 1).clamp(min=0)
+        in_step = (t > 0) & (req[before] == req) & (pos[before] == pos - 1)
+        from_ring = self.ring.read(ring_md.ring_block_ids[req] * cap + (pos - 1) % cap)
+        return torch.where(in_step[:, None], rows[before], from_ring)
+
+    def _ring_write(self, step: Step, tok: torch.Tensor, rows: torch.Tensor) -> None:
+        """The ring keeps each request's last ``capacity`` positions of this step."""
+        pos, req = step.positions[tok], step.req_idx[tok]
+        last = step.seq_lens[req] - 1
+        keep = pos > last - self.ring.capacity
+        slots = step.group(self.ring.prefix).slot_mapping[tok]
+        self.ring.write(torch.where(keep, slots, torch.full_like(slots, -1)), rows)
+
     def _compress(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
         """Compressor (§2.5.4): entries closed by this step's tokens -> compressed KV and index K."""
         cfg, plan = self.cfg, self.plan
         r, D = plan.compress_ratio, cfg.head_dim
-        pos, req = step.positions[tok], step.req_idx[tok]
+        pos = step.positions[tok]
         kv_c = self.compressor.wkv(x)
         ci = ((pos + 1) % r == 0).nonzero().flatten()  # tokens that close an entry
         if r == 2:
             rows = torch.cat((kv_c, self.compressor.wgate(x)), -1)  # [T, 2D] compressor input
-            ring, ring_md = self.ring, step.group(self.ring.prefix)
-            cap = ring.capacity
-            # partner (position p-1) of each closing token: the previous row of this step, else the ring
-            prev = torch.empty(ci.numel(), 2 * D)
-            for n, t in enumerate(ci.tolist()):
-                if t > 0 and req[t - 1] == req[t] and pos[t - 1] == pos[t] - 1:
-                    prev[n] = rows[t - 1]
-                else:
-                    blk = int(ring_md.ring_block_ids[req[t]])
-                    prev[n] = ring.read(torch.tensor([blk * cap + (int(pos[t]) - 1) % cap]))[0]
-            # the ring keeps each request's last `cap` positions of this step
-            last = step.seq_lens[req] - 1
-            keep = pos > last - cap
-            slots = torch.where(keep, ring_md.slot_mapping[tok], torch.full_like(pos, -1))
-            ring.write(slots, rows)
+            prev = self._partners(step, tok, rows)[ci]
+            self._ring_write(step, tok, rows)
             pair = torch.stack((prev, rows[ci]), 1)  # [J, 2, 2D]
             pooled = (pair[..., :D] * torch.softmax(pair[..., D:], dim=1)).sum(1)
         else:
@@ -168,20 +209,39 @@ class Attention(nn.Module):
         idx_slots = step.group(self.index_cache.prefix).slot_mapping[tok[ci]]
         self.index_cache.write(idx_slots, formats.encode_mxfp4_record(k_idx))
 
-    # -- per-request selection and attention
+    def _compress_ops(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
+        """``_compress`` through ``dsv41::compress_insert`` (pooling, norms, RoPE, records, writes)."""
+        r = self.plan.compress_ratio
+        kv_c = self.compressor.wkv(x)
+        prev = None
+        if r == 2:
+            kv_score = torch.cat((kv_c, self.compressor.wgate(x)), -1)
+            prev = self._partners(step, tok, kv_score)
+            self._ring_write(step, tok, kv_score)
+        else:
+            kv_score = kv_c
+        comp_slots = self.comp_cache.flat_slots(step.group(self.comp_cache.prefix).slot_mapping[tok])
+        idx_slots = self.index_cache.flat_slots(step.group(self.index_cache.prefix).slot_mapping[tok])
+        _ops().compress_insert(kv_score, prev, step.positions[tok], r, self.compressor.norm.weight,
+                               self.indexer.wk.weight, self.indexer.k_norm.weight, self.eps, self.inv_freq,
+                               comp_slots, idx_slots, self.comp_cache.flat_rows()[0],
+                               self.index_cache.flat_rows()[0])
+
+    # -- per-request selection and attention (plain PyTorch)
     def _select(self, model: "DeepseekV41Model", step: Step, i: int, pos: torch.Tensor,
                 x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
         cfg, plan = self.cfg, self.plan
+        dev = x.device
         n_vis = (pos + 1) // plan.compress_ratio
         N = int(n_vis.max())
         src = model.attn_of(plan.kv_source)
-        slots = step.group(src.index_cache.prefix).slots_of_entries(i, torch.arange(N))
+        slots = step.group(src.index_cache.prefix).slots_of_entries(i, torch.arange(N, device=dev))
         keys = formats.decode_mxfp4_record(src.index_cache.read(slots), cfg.index_head_dim)
         qi = self.indexer.wq_b(qr).view(-1, cfg.index_n_heads, cfg.index_head_dim)
         qi = apply_rope(qi, pos, self.inv_freq)
         w = self.indexer.weights_proj(x) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
         scores = index_scores(qi, w, keys)
-        scores = scores.masked_fill(torch.arange(N)[None, :] >= n_vis[:, None], float("-inf"))
+        scores = scores.masked_fill(torch.arange(N, device=dev)[None, :] >= n_vis[:, None], float("-inf"))
         if plan.is_candidate_source:
             step.scratch[("cand", i)] = candidate_mask(scores, n_vis, cfg.candidate_block_size,
                                                        cfg.candidate_topk_blocks)
@@ -190,21 +250,13 @@ class Attention(nn.Module):
             return topk_select(scores.masked_fill(~cand, float("-inf")), n_vis, cfg.index_topk) & cand
         return topk_select(scores, n_vis, cfg.index_topk)
 
-    def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
-                rows: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
-        """x [len(tok), H] for the step tokens ``tok``; KV is written for all of them, attention output
-        is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
+    def _attend_torch(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
+                      xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+        """Per request: gather and decode the records, masked dense attention (``sparse_attention``),
+        inverse RoPE.  q [R, Hq, D] -> [R, Hq, D]."""
         cfg, plan = self.cfg, self.plan
         D, W = cfg.head_dim, cfg.sliding_window
-        qr_all = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
-        kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = apply_rope(kv, step.positions[tok], self.inv_freq)
-        self._write_swa(step, tok, kv)
-        if plan.owns_compressor:
-            self._compress(step, tok, x)
-        out_tok = tok[rows]
-        xr, qr = x[rows], qr_all[rows]
-        q = apply_rope(self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.positions[out_tok], self.inv_freq)
+        dev = q.device
         out = torch.empty_like(q)
         swa_md = step.group(self.swa_cache.prefix)
         req_of = step.req_idx[out_tok]
@@ -214,7 +266,7 @@ class Attention(nn.Module):
             floor = int(floors[i])
             hi = int(pos.max()) + 1
             lo = max(int(pos.min()) - W + 1, floor, 0)
-            kp = torch.arange(lo, hi)
+            kp = torch.arange(lo, hi, device=dev)
             keys = formats.decode_mxfp8_record(self.swa_cache.read(swa_md.slots_of_entries(i, kp)), D)
             mask = (kp[None, :] <= pos[:, None]) & (kp[None, :] > pos[:, None] - W) & (kp[None, :] >= floor)
             if plan.compress_ratio > 0:
@@ -224,12 +276,88 @@ class Attention(nn.Module):
                 sel = step.scratch[("topk", plan.index_source, i)]
                 src = model.attn_of(plan.kv_source)
                 N = sel.shape[1]
-                slots = step.group(src.comp_cache.prefix).slots_of_entries(i, torch.arange(N))
+                slots = step.group(src.comp_cache.prefix).slots_of_entries(i, torch.arange(N, device=dev))
                 comp = formats.decode_nvfp4_record(src.comp_cache.read(slots), D)
                 keys = torch.cat((keys, comp))
                 mask = torch.cat((mask, sel), 1)
             out[sel_rows] = sparse_attention(q[sel_rows], keys, mask, self.attn_sink, D ** -0.5)
-        o = apply_rope(out, step.positions[out_tok], self.inv_freq, inverse=True)
+        return apply_rope(out, step.positions[out_tok], self.inv_freq, inverse=True)
+
+    # -- whole-batch selection and attention through the ops
+    def _select_ops(self, model: "DeepseekV41Model", step: Step, pos: torch.Tensor, req: torch.Tensor,
+                    x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+        """Indexer of this layer for every attention row: entry ids [R, index_topk] (-1 = none), from
+        ``index_scores`` + ``candidate_blocks`` / ``topk_select``."""
+        cfg, plan = self.cfg, self.plan
+        ops = _ops()
+        r = plan.compress_ratio
+        n_vis = ((pos + 1) // r).to(torch.int32)
+        n_max = (step.max_position + 1) // r  # host bound, >= every row's n_vis (extra columns are -inf)
+        src = model.attn_of(plan.kv_source)
+        qi = self.indexer.wq_b(qr).view(-1, cfg.index_n_heads, cfg.index_head_dim)
+        qi = apply_rope(qi, pos, self.inv_freq)
+        w = self.indexer.weights_proj(x) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
+        cache, table, rows_per_block = model.index_view(step, src, n_max)
+        scores = ops.index_scores(qi, w, cache, table, rows_per_block, req.to(torch.int32), n_vis, n_max)
+        if plan.is_candidate_source:
+            step.scratch["cand_blocks"] = ops.candidate_blocks(scores, n_vis, cfg.candidate_block_size,
+                                                               cfg.candidate_topk_blocks)
+        elif plan.is_candidate_consumer and "cand_blocks" in step.scratch:
+            from vllm_dsv41.ops.topk import blocks_to_mask
+
+            cand = blocks_to_mask(step.scratch["cand_blocks"], cfg.candidate_block_size, n_max)
+            idx = ops.topk_select(scores.masked_fill(~cand, float("-inf")), n_vis, cfg.index_topk)
+            hit = (idx >= 0) & cand.gather(1, idx.clamp(min=0).long())
+            return torch.where(hit, idx, torch.full_like(idx, -1))
+        return ops.topk_select(scores, n_vis, cfg.index_topk)
+
+    def _swa_slots(self, step: Step, pos: torch.Tensor, req: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+        """SWA keys of every row: positions max(p - W + 1, floor, 0) .. p, as rows of the flat SWA
+        cache view, -1 padded.  [R, W] int32."""
+        W = self.cfg.sliding_window
+        kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
+        kp = torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
+        slots = step.group(self.swa_cache.prefix).slots_of(req, kp)
+        return self.swa_cache.flat_slots(slots).to(torch.int32)
+
+    def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
+                    xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+        """All rows at once through ``dsv41::sparse_attn`` (inverse RoPE included)."""
+        cfg, plan = self.cfg, self.plan
+        pos, req = step.positions[out_tok], step.req_idx[out_tok]
+        comp_cache = comp_slots = None
+        if plan.compress_ratio > 0:
+            if plan.owns_indexer:
+                step.scratch[("topk_ids", plan.layer_id)] = self._select_ops(model, step, pos, req, xr, qr)
+            src = model.attn_of(plan.kv_source)
+            key = ("comp_slots", plan.index_source, plan.kv_source)  # shared by the selection's consumers
+            comp_slots = step.scratch.get(key)
+            if comp_slots is None:
+                ent = step.scratch[("topk_ids", plan.index_source)]
+                slots = step.group(src.comp_cache.prefix).slots_of(req, ent)
+                comp_slots = step.scratch[key] = src.comp_cache.flat_slots(slots).to(torch.int32)
+            comp_cache = src.comp_cache.flat_rows()[0]
+        return _ops().sparse_attn(q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors),
+                                  comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
+                                  self.inv_freq)
+
+    def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
+                rows: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+        """x [len(tok), H] for the step tokens ``tok``; KV is written for all of them, attention output
+        is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
+        cfg, plan = self.cfg, self.plan
+        D = cfg.head_dim
+        qr_all = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
+        kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
+        kv = apply_rope(kv, step.positions[tok], self.inv_freq)
+        self._write_swa(step, tok, kv)
+        if plan.owns_compressor:
+            (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
+        out_tok = tok[rows]
+        xr, qr = x[rows], qr_all[rows]
+        q = apply_rope(self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.positions[out_tok], self.inv_freq)
+        attend = self._attend_ops if step.use_ops else self._attend_torch
+        o = attend(model, step, q, out_tok, xr, qr, floors)
         G = cfg.o_groups
         wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, cfg.heads_per_group * D)
         z = torch.einsum("tgk,gok->tgo", o.reshape(-1, G, cfg.heads_per_group * D), wo_a)
@@ -265,8 +393,12 @@ class MoE(nn.Module):
         self.shared_experts = Expert(H, I * cfg.n_shared_experts)
         self.k, self.scale, self.limit = plan.experts_per_tok, float(cfg.routed_scaling_factor), float(cfg.swiglu_limit)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
+    def forward(self, x: torch.Tensor, ops: bool = False) -> torch.Tensor:
+        if ops:
+            idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
+            idx = idx.long()
+        else:
+            idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
         y = torch.zeros_like(x)
         for e in idx.unique().tolist():
             t, slot = (idx == e).nonzero(as_tuple=True)
@@ -334,6 +466,8 @@ class DecoderLayer(nn.Module):
     def forward(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
                 tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
         """S, pre for step tokens ``tok``; returns (S, pre) for ``tok[rows]``."""
+        if step.use_ops:
+            return self._forward_ops(model, step, S, pre, tok, rows, floors)
         pre_a, post_a, comb_a = self._coeffs("attn", S)
         x = rms_norm(hc_collapse(S, pre), self.attn_norm.weight, self.eps)
         y = self.attn(model, step, x, tok, rows, floors)
@@ -342,20 +476,33 @@ class DecoderLayer(nn.Module):
         x = rms_norm(hc_collapse(S, pre_a[rows]), self.ffn_norm.weight, self.eps)
         return hc_post(S, self.ffn(x), post_f, comb_f), pre_f
 
+    def _forward_ops(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
+                     tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
+        """The same layer with the mHC boundaries as ops: ``mhc_pre`` (attention boundary),
+        ``mhc_post_pre`` (attention post-mix + FFN boundary), ``mhc_post`` (FFN post-mix)."""
+        ops = _ops()
+        args = (self.eps, self.hc_eps, self.iters)
+        x, pre_a, post_a, comb_a = ops.mhc_pre(S, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, pre,
+                                               self.attn_norm.weight, *args)
+        y = self.attn(model, step, x, tok, rows, floors)
+        S, x, pre_f, post_f, comb_f = ops.mhc_post_pre(S[rows], y, post_a[rows], comb_a[rows], self.hc_ffn_fn,
+                                                       self.hc_ffn_base, self.hc_ffn_scale, pre_a[rows],
+                                                       self.ffn_norm.weight, *args)
+        return ops.mhc_post(S, self.ffn(x, ops=True), post_f, comb_f), pre_f
+
 
 def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
     """CED pruning (§3.2): the step rows the decoder layers run on — each request's last ``window`` rows.
 
-    The one boundary between encoder and decoder: a graph split hooks here.
+    The one boundary between encoder and decoder: a graph split hooks here.  Built on the host from
+    the CPU metadata, moved to the step's device once.
     """
-    T = step.positions.numel()
+    T = step.num_tokens
     if not enabled:
-        return torch.arange(T)
-    keep = []
-    for i in range(step.num_reqs):
-        a, b = int(step.query_start_loc[i]), int(step.query_start_loc[i + 1])
-        keep.append(torch.arange(max(a, b - window), b))
-    return torch.cat(keep) if keep else torch.arange(0)
+        return torch.arange(T, device=step.device)
+    qsl = step.query_start_loc_cpu.tolist()
+    keep = [torch.arange(max(qsl[i], qsl[i + 1] - window), qsl[i + 1]) for i in range(step.num_reqs)]
+    return (torch.cat(keep) if keep else torch.arange(0)).to(step.device)
 
 
 class DeepseekV41Model(nn.Module):
@@ -369,33 +516,63 @@ class DeepseekV41Model(nn.Module):
 
     def set_token_map(self, cmap: torch.Tensor) -> None:
         self._cmap = cmap
+        self._cmap_pad = None
+        self._cmap_dev = {}
+
+    def _token_map(self, device: torch.device) -> torch.Tensor:
+        m = self._cmap_dev.get(device)
+        if m is None:
+            m = self._cmap_dev[device] = self._cmap.to(device)
+        return m
 
     def engram_rows(self, step: Step, layer_id: int) -> torch.Tensor:
         key = ("engram", layer_id)
         if key not in step.scratch:
             h = self._engram
             win = step.token_windows(h.max_ngram)
-            cids = torch.where(win >= 0, self._cmap[win.clamp(min=0)], torch.full_like(win, -1))
-            pad = int(self._cmap[h.pad_token_id])
-            step.scratch[key] = engram_math.engram_row_ids(cids, h.layout(layer_id), h.mult(layer_id), pad)
+            cmap = self._token_map(win.device)
+            cids = torch.where(win >= 0, cmap[win.clamp(min=0)], torch.full_like(win, -1))
+            if self._cmap_pad is None:
+                self._cmap_pad = int(self._cmap[h.pad_token_id])
+            step.scratch[key] = engram_math.engram_row_ids(cids, h.layout(layer_id), h.mult(layer_id),
+                                                           self._cmap_pad)
         return step.scratch[key]
 
     def attn_of(self, layer_id: int) -> Attention:
         return self.layers[layer_id].attn
 
+    def index_view(self, step: Step, src: Attention, n_max: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """What ``dsv41::index_scores`` reads for KV source ``src``: (flat index-K cache, table,
+        rows_per_block).  With dense cache blocks that is the group's block table; otherwise
+        (packed pool, see ``CacheLayer.flat_rows``) a per-step table of every entry's flat row
+        ([num_reqs, n_max], rows_per_block 1), built once per step and source."""
+        cache = src.index_cache
+        flat, bstep, rstep = cache.flat_rows()
+        g = step.group(cache.prefix)
+        if bstep == g.rows_per_block and rstep == 1:
+            return flat, g.block_table_i32, g.rows_per_block
+        key = ("index_table", cache.prefix, n_max)
+        table = step.scratch.get(key)
+        if table is None:
+            ent = torch.arange(n_max, device=step.device).expand(step.num_reqs, n_max)
+            req = torch.arange(step.num_reqs, device=step.device)
+            table = step.scratch[key] = cache.flat_slots(g.slots_of(req, ent)).to(torch.int32)
+        return flat, table, 1
+
     def forward(self, step: Step, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         T = S.shape[0]
-        tok = torch.arange(T)
-        pre = torch.zeros(T, cfg.hc_mult)
+        dev = S.device
+        tok = torch.arange(T, device=dev)
+        pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0
         kept = decoder_rows(step, cfg.sliding_window, self.prune and step.needs_pruning(cfg.sliding_window))
-        base_floor = step.replay_start.clone()
+        base_floor = step.replay_start
         for L, layer in enumerate(self.layers):
             plan = layer.plan
             if plan.has_engram:
                 S = layer.engram(S, self.engram_rows(step, L)[tok])
-            rows = torch.arange(tok.numel())
+            rows = torch.arange(tok.numel(), device=dev)
             floors = base_floor
             if kept.numel() < T and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
@@ -428,6 +605,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.vllm_config = vllm_config
         self.cfg = from_hf_config(vllm_config.model_config.hf_config)
         self.bounded_replay = not exact_mode()
+        self.ops_mode = ops_mode()
         cfg = self.cfg
         self.embed = Norm(1)
         self.embed.weight = _param(cfg.vocab_size, cfg.hidden_size)
@@ -451,11 +629,12 @@ class DeepseekV41ForCausalLM(nn.Module):
 
             return torch.zeros(T, cfg.hidden_size, dtype=e.dtype, device=e.device)
         n = meta.num_tokens  # rows past n are the runner's padding
-        step = Step(meta, input_ids[:n] if input_ids is not None else None)
+        step = Step(meta, input_ids[:n] if input_ids is not None else None, device=e.device,
+                    use_ops=use_ops(self.ops_mode, e.device))
         S = e[:n].float()[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()
         S, pre, tok = self.model(step, S)
         h = rms_norm(hc_collapse(S, pre), self.norm.weight, float(cfg.rms_norm_eps))
-        out = torch.zeros(T, cfg.hidden_size, dtype=h.dtype)
+        out = torch.zeros(T, cfg.hidden_size, dtype=h.dtype, device=h.device)
         out[tok] = h  # rows the decoder skipped stay zero; only each request's last row is sampled
         return out
 

@@ -1,8 +1,12 @@
 """The model's view of one engine step: the attention backend's metadata plus per-step scratch.
 
 Owns :class:`Step`, a thin wrapper over ``DSV41StepMetadata`` that adds what the
-layers compute once per step and share (top-k selections, candidate blocks) and
-the Engram lookback windows built from this step's ids and the runner's history.
+layers compute once per step and share (top-k selections, candidate blocks), the
+Engram lookback windows built from this step's ids and the runner's history, and
+the move of the (CPU) metadata to the activations' device: every tensor field the
+model reads is copied to ``device`` once per step and cached (on CPU the copy is
+the tensor itself).  Host-side decisions (loop bounds, shapes) read the ``*_cpu``
+fields, so they never wait for the device.
 """
 
 from __future__ import annotations
@@ -11,60 +15,138 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_dsv41.attention.backend import DSV41StepMetadata
+from vllm_dsv41.attention.backend import DSV41GroupMetadata, DSV41StepMetadata
+
+
+class GroupView:
+    """One KV-cache group's addressing for this step, on the step's device.
+
+    ``block_table`` is int64 (indexing dtype), ``block_table_i32`` the int32 table the ops take;
+    ``slot_mapping`` / ``ring_block_ids`` as in :class:`DSV41GroupMetadata`.
+    """
+
+    def __init__(self, md: DSV41GroupMetadata, device: torch.device):
+        self.md = md
+        self.kind = md.kind
+        self.rows_per_block = md.rows_per_block
+        self.block_table_i32 = md.block_table.to(device=device, dtype=torch.int32)
+        self.block_table = self.block_table_i32.to(torch.int64)
+        self.slot_mapping = md.slot_mapping.to(device=device, dtype=torch.int64)
+        self.ring_block_ids = (md.ring_block_ids.to(device=device, dtype=torch.int64)
+                               if md.ring_block_ids is not None else None)
+
+    def slots_of_entries(self, req_idx: int, entries: torch.Tensor) -> torch.Tensor:
+        """Rows of one request's entries (token positions for swa, compressed indices j for
+        compressed groups) through its block table (all entries valid, >= 0)."""
+        e = self.rows_per_block
+        entries = entries.to(torch.int64)
+        return self.block_table[req_idx][entries // e] * e + entries % e
+
+    def slots_of(self, req: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+        """Batched form: ``req`` [R] request of each row, ``entries`` [R, K] (-1 = none) -> slots
+        [R, K] int64, -1 where the entry is -1."""
+        e = self.rows_per_block
+        ent = entries.to(torch.int64)
+        valid = ent >= 0
+        ent = ent.clamp(min=0)
+        col = (ent // e).clamp(max=self.block_table.shape[1] - 1)
+        blocks = self.block_table[req[:, None], col]
+        return torch.where(valid, blocks * e + ent % e, torch.full_like(ent, -1))
 
 
 @dataclass
 class Step:
     meta: DSV41StepMetadata
-    input_ids: torch.Tensor  # [T] this step's token ids
+    input_ids: torch.Tensor | None  # [T] this step's token ids (on the model's device)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    use_ops: bool = False  # route the math through torch.ops.dsv41 (model.ops_mode / use_ops)
     scratch: dict = field(default_factory=dict)  # per-step results shared across layers
+    _dev: dict = field(default_factory=dict, repr=False)  # cached device copies of metadata
+    _groups: dict = field(default_factory=dict, repr=False)  # id(group metadata) -> GroupView
 
+    def _on_device(self, key: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        got = self._dev.get(key)
+        if got is None:
+            got = self._dev[key] = t.to(device=self.device, dtype=dtype)
+        return got
+
+    # -- host-side facts (CPU tensors / ints: loop bounds and shapes, no device sync)
     @property
     def num_reqs(self) -> int:
         return self.meta.num_reqs
 
     @property
-    def positions(self) -> torch.Tensor:
+    def num_tokens(self) -> int:
+        return self.meta.num_tokens
+
+    @property
+    def positions_cpu(self) -> torch.Tensor:
         return self.meta.positions
 
     @property
-    def req_idx(self) -> torch.Tensor:
-        return self.meta.token_req_idx
-
-    @property
-    def query_start_loc(self) -> torch.Tensor:
+    def query_start_loc_cpu(self) -> torch.Tensor:
         return self.meta.query_start_loc
 
     @property
+    def max_position(self) -> int:
+        """Largest position of the step (-1 for an empty step), read on the host."""
+        key = "max_position"
+        if key not in self._dev:
+            p = self.meta.positions
+            self._dev[key] = int(p.max()) if p.numel() else -1
+        return self._dev[key]
+
+    # -- device tensors (moved once per step)
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._on_device("positions", self.meta.positions)
+
+    @property
+    def req_idx(self) -> torch.Tensor:
+        return self._on_device("req_idx", self.meta.token_req_idx)
+
+    @property
+    def query_start_loc(self) -> torch.Tensor:
+        return self._on_device("query_start_loc", self.meta.query_start_loc)
+
+    @property
     def seq_lens(self) -> torch.Tensor:
-        return self.meta.seq_lens.to(torch.int64)
+        return self._on_device("seq_lens", self.meta.seq_lens)
 
     @property
     def replay_start(self) -> torch.Tensor:
-        return self.meta.replay_start.to(torch.int64)
+        return self._on_device("replay_start", self.meta.replay_start)
 
     def needs_pruning(self, window: int) -> bool:
         """Decoder pruning pays off only when some request brings more than ``window`` rows."""
         return bool((self.meta.query_lens > window).any())
 
-    def group(self, layer_name: str):
-        return self.meta.for_layer(layer_name)
+    def group(self, layer_name: str) -> GroupView:
+        md = self.meta.for_layer(layer_name)
+        view = self._groups.get(id(md))
+        if view is None:
+            view = self._groups[id(md)] = GroupView(md, self.device)
+        return view
 
     def token_windows(self, depth: int) -> torch.Tensor:
-        """[T, depth] ids of positions p, p-1, ..., p-depth+1 of every token; -1 before position 0."""
-        T = self.positions.numel()
-        out = torch.full((T, depth), -1, dtype=torch.long)
-        qsl = self.query_start_loc.tolist()
-        look = self.meta.lookback_token_ids.to(torch.long)
-        ids = self.input_ids.to(torch.long).cpu()
-        for i in range(self.num_reqs):
-            a, b = qsl[i], qsl[i + 1]
-            if b <= a:
-                continue
-            hist = torch.cat((look[i, : depth - 1].flip(0), ids[a:b]))  # oldest first
-            n0 = depth - 1
-            for k in range(depth):
-                out[a:b, k] = hist[n0 - k: n0 - k + (b - a)]
-        pos = self.positions[:, None] - torch.arange(depth)[None, :]
-        return torch.where(pos >= 0, out, torch.full_like(out, -1))
+        """[T, depth] ids of positions p, p-1, ..., p-depth+1 of every token; -1 before position 0.
+
+        Lookbacks inside the step come from ``input_ids``, older ones from the runner's lookback ids
+        (nearest first); computed on the device of ``input_ids`` without a host round trip."""
+        ids = self.input_ids.to(device=self.device, dtype=torch.long)
+        dev = self.device
+        T = ids.numel()
+        req, pos = self.req_idx, self.positions
+        starts = self.query_start_loc[req]
+        look = self._on_device("lookback", self.meta.lookback_token_ids)
+        t = torch.arange(T, device=dev)
+        k = torch.arange(depth, device=dev)
+        off = (t - starts)[:, None]  # offset of each token inside its request's chunk
+        in_chunk = off >= k[None, :]
+        from_ids = ids[(t[:, None] - k[None, :]).clamp(min=0)]
+        li = k[None, :] - off - 1  # lookback index, nearest first
+        have = (li >= 0) & (li < look.shape[1])
+        from_look = look[req[:, None], li.clamp(0, look.shape[1] - 1)]
+        from_look = torch.where(have, from_look, torch.full_like(from_look, -1))
+        out = torch.where(in_chunk, from_ids, from_look)
+        return torch.where(pos[:, None] - k[None, :] >= 0, out, torch.full_like(out, -1))

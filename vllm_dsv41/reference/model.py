@@ -116,13 +116,21 @@ def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torc
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
                      scale: float) -> torch.Tensor:
-    """q [T, h, D], keys [N, D] (K = V), mask [T, N] bool, sink [h] -> out [T, h, D]; sink adds exp(sink) to the denominator."""
-    logits = torch.einsum("thd,nd->thn", q, keys) * scale
+    """q [T, h, D], keys [N, D] (K = V), mask [T, N] bool, sink [h] -> out [T, h, D]; sink adds exp(sink) to the denominator.
+
+    Accumulates in float64 and rounds once to q's dtype, so the result does not depend on the order of the
+    keys nor on masked keys: the dense masked layout here, the engine's per-request layout and the
+    union-of-listed-slots layout of ``ops.sparse_attn_ref`` give the same fp32 bits (in fp32 the summation
+    order alone moves ~80% of the outputs by an ulp, and a quantised cache record downstream can turn
+    that into a different token).
+    """
+    qd, kd, sd = q.double(), keys.double(), sink.double()
+    logits = torch.einsum("thd,nd->thn", qd, kd) * scale
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-    m = torch.maximum(logits.amax(-1), sink[None, :])  # [T, h]
+    m = torch.maximum(logits.amax(-1), sd[None, :])  # [T, h]
     p = torch.exp(logits - m[..., None])
-    denom = p.sum(-1) + torch.exp(sink[None, :] - m)
-    return torch.einsum("thn,nd->thd", p / denom[..., None], keys)
+    denom = p.sum(-1) + torch.exp(sd[None, :] - m)
+    return torch.einsum("thn,nd->thd", p / denom[..., None], kd).to(q.dtype)
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -141,15 +149,16 @@ def candidate_mask(scores: torch.Tensor, n_vis: torch.Tensor, block: int, n_bloc
     newest visible entry is always kept.  scores [T, N] (-inf beyond n_vis) -> bool mask [T, N]."""
     T, N = scores.shape
     if N == 0:
-        return torch.zeros(T, 0, dtype=torch.bool)
+        return torch.zeros(T, 0, dtype=torch.bool, device=scores.device)
     nb = -(-N // block)
     padded = F.pad(scores, (0, nb * block - N), value=float("-inf"))
     bmax = padded.view(T, nb, block).amax(-1)
     newest = ((n_vis - 1).clamp(min=0) // block).long()
-    bmax[torch.arange(T), newest] = float("inf")
-    valid_blocks = (torch.arange(nb)[None, :] * block) < n_vis[:, None]
+    dev = scores.device
+    bmax[torch.arange(T, device=dev), newest] = float("inf")
+    valid_blocks = (torch.arange(nb, device=dev)[None, :] * block) < n_vis[:, None]
     bmax = bmax.masked_fill(~valid_blocks, float("-inf"))
-    keep = torch.zeros(T, nb, dtype=torch.bool)
+    keep = torch.zeros(T, nb, dtype=torch.bool, device=dev)
     top = top_indices(bmax, min(n_blocks, nb))
     keep.scatter_(1, top, True)
     keep &= valid_blocks
@@ -159,12 +168,12 @@ def candidate_mask(scores: torch.Tensor, n_vis: torch.Tensor, block: int, n_bloc
 def topk_select(scores: torch.Tensor, n_vis: torch.Tensor, topk: int) -> torch.Tensor:
     """bool mask [T, N] of the selected entries: all visible when n_vis <= topk, else the top-k scores."""
     T, N = scores.shape
-    vis = torch.arange(N)[None, :] < n_vis[:, None]
+    vis = torch.arange(N, device=scores.device)[None, :] < n_vis[:, None]
     sel = vis.clone()
     big = n_vis > topk
     if big.any() and N > topk:
         idx = top_indices(scores[big], topk)
-        m = torch.zeros(int(big.sum()), N, dtype=torch.bool)
+        m = torch.zeros(int(big.sum()), N, dtype=torch.bool, device=scores.device)
         m.scatter_(1, idx, True)
         sel[big] = m & vis[big]
     return sel

@@ -1,0 +1,102 @@
+"""What the ops path reads without the engine: flat 2-D cache views over a packed pool, batched slot
+lookup through block tables, and the device-side Engram lookback windows (CPU)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_dsv41.attention.backend import DSV41GroupMetadata, DSV41StepMetadata
+from vllm_dsv41.attention.caches import DSV41CacheLayer
+from vllm_dsv41.model_executor.step import Step
+
+
+def _layer(pool: torch.Tensor, nb: int, rows: int, row: int, block_stride: int, offset: int) -> DSV41CacheLayer:
+    """A cache layer bound to a strided view of ``pool`` (no vLLM config needed)."""
+    layer = DSV41CacheLayer.__new__(DSV41CacheLayer)
+    nn.Module.__init__(layer)
+    layer.prefix, layer.spec = "model.layers.0.attn.test_cache", SimpleNamespace(num_states=rows)
+    layer.kv_cache = pool.as_strided((nb, 1, rows, row), (block_stride, rows * row, row, 1), offset)
+    return layer
+
+
+@pytest.mark.parametrize("row,block_stride,offset", [(17, 6784, 0), (36, 6784, 544), (66, 6784, 1696),
+                                                     (36, 32 * 36, 0), (528, 113920, 4352)],
+                         ids=["odd-row", "packed", "packed-even", "dense", "full-size"])
+def test_flat_rows_address_the_same_bytes(row, block_stride, offset):
+    nb, rows = 6, 32
+    pool = torch.zeros(nb * block_stride + offset, dtype=torch.uint8)
+    layer = _layer(pool, nb, rows, row, block_stride, offset)
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([-1, 0, 5, rows - 1, rows, 3 * rows + 7, nb * rows - 1])
+    recs = torch.randint(0, 256, (slots.numel(), row), dtype=torch.uint8, generator=g)
+    layer.write(slots, recs)
+    flat, bstep, rstep = layer.flat_rows()
+    fs = layer.flat_slots(slots)
+    assert fs[0] == -1 and (fs[1:] >= 0).all()
+    assert torch.equal(flat[fs[1:]], recs[1:]) and torch.equal(layer.read(slots[1:]), recs[1:])
+    if block_stride == rows * row:
+        assert torch.equal(fs, slots)  # dense blocks: the identity
+    flat[fs[2]] = 7  # writes through the flat view land in the slot's row
+    assert (layer.read(slots[2:3]) == 7).all() and torch.equal(layer.read(slots[3:]), recs[3:])
+
+
+def _step(qsl: list[int], ctx: list[int], lookback: list[list[int]], ids: list[int]) -> Step:
+    n = len(ctx)
+    qlen = [qsl[i + 1] - qsl[i] for i in range(n)]
+    pos = torch.cat([torch.arange(c, c + q) for c, q in zip(ctx, qlen)])
+    req = torch.repeat_interleave(torch.arange(n), torch.tensor(qlen))
+    meta = DSV41StepMetadata(
+        num_reqs=n, num_tokens=qsl[-1], req_ids=[str(i) for i in range(n)],
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor([c + q for c, q in zip(ctx, qlen)], dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32), positions=pos, token_req_idx=req,
+        replay_start=torch.zeros(n, dtype=torch.int32), replay_window=0,
+        lookback_token_ids=torch.tensor(lookback, dtype=torch.int32), is_prefill=torch.zeros(n, dtype=torch.bool))
+    return Step(meta, torch.tensor(ids))
+
+
+def _windows_loop(step: Step, depth: int) -> torch.Tensor:
+    """The per-request loop the model used before (oracle)."""
+    T = step.num_tokens
+    out = torch.full((T, depth), -1, dtype=torch.long)
+    qsl = step.meta.query_start_loc.tolist()
+    look = step.meta.lookback_token_ids.to(torch.long)
+    ids = step.input_ids.to(torch.long)
+    for i in range(step.num_reqs):
+        a, b = qsl[i], qsl[i + 1]
+        if b <= a:
+            continue
+        hist = torch.cat((look[i, : depth - 1].flip(0), ids[a:b]))
+        for k in range(depth):
+            out[a:b, k] = hist[depth - 1 - k: depth - 1 - k + (b - a)]
+    pos = step.meta.positions[:, None] - torch.arange(depth)[None, :]
+    return torch.where(pos >= 0, out, torch.full_like(out, -1))
+
+
+@pytest.mark.parametrize("depth", [1, 3, 4])
+def test_token_windows_match_the_per_request_loop(depth):
+    # a prefill from 0, a decode row, a chunk after 1 token of context, a chunk deep in the sequence
+    qsl, ctx = [0, 5, 6, 8, 12], [0, 40, 1, 100]
+    lookback = [[-1, -1, -1], [71, 72, 73], [81, -1, -1], [91, 92, 93]]
+    step = _step(qsl, ctx, lookback, list(range(200, 212)))
+    assert torch.equal(step.token_windows(depth), _windows_loop(step, depth))
+
+
+def test_group_view_slots_of_matches_slots_of_entries():
+    step = _step([0, 3, 5], [10, 60], [[-1] * 3, [-1] * 3], list(range(5)))
+    bt = torch.tensor([[4, 9, 2, 0], [7, 3, 5, 8]], dtype=torch.int32)
+    md = DSV41GroupMetadata(kind="compressed", block_size=64, tokens_per_state=2, rows_per_block=32,
+                            block_table=bt, slot_mapping=torch.full((5,), -1), ring_block_ids=None,
+                            layer_names=["x"], step=step.meta)
+    step.meta.groups["x"] = md
+    view = step.group("x")
+    ent = torch.tensor([[0, 31, 32, 70, -1], [5, 64, 127, -1, -1]])
+    got = view.slots_of(torch.tensor([0, 1]), ent)
+    for r in range(2):
+        valid = ent[r] >= 0
+        assert torch.equal(got[r][valid], md.slots_of_entries(r, ent[r][valid]))
+        assert (got[r][~valid] == -1).all()
