@@ -104,22 +104,9 @@ class ServerURL(str):
                                  f"{self.log_tail()}")
 
     def _group_alive(self) -> bool:
-        """Whether a non-zombie process is left in the server's process group."""
-        pgid = self.proc.pid
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-                return True
-        return False
+        from vllm_dsv41.tools.bench import process_group_alive
+
+        return process_group_alive(self.proc.pid)
 
     def stop(self, grace_s: float = 20.0) -> float:
         """SIGTERM the process group, SIGKILL what is left after ``grace_s``; returns the seconds it

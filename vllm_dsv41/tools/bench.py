@@ -173,6 +173,27 @@ def build_parser() -> argparse.ArgumentParser:
 # server process management
 
 
+def process_group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in process group ``pgid``."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():
+        return True
+    for stat in proc_dir.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
 class ManagedServer:
     """A server started from ``--serve-cmd`` in its own process group."""
 
@@ -194,25 +215,7 @@ class ManagedServer:
         return "\n".join(lines[-n:])
 
     def _group_alive(self) -> bool:
-        """Whether any non-zombie process is left in the server's group."""
-        pgid = self.proc.pid
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        proc_dir = Path("/proc")
-        if not proc_dir.is_dir():
-            return True
-        for stat in proc_dir.glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-                return True
-        return False
+        return process_group_alive(self.proc.pid)
 
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM the whole process group (the shell, the server and e.g.
