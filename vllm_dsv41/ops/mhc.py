@@ -64,6 +64,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.reference.model import sinkhorn
 
 # Bound to ``triton.language`` by ``_triton()`` on first CUDA use, so this module imports without Triton.
 # The kernels below are plain functions until ``_kernels()`` wraps them with ``triton.jit``; their
@@ -82,14 +83,6 @@ def _triton():
 # --------------------------------------------------------------------------- references (CPU path, oracle)
 
 
-def _sinkhorn_ref(logits: torch.Tensor, hc_eps: float, iters: int) -> torch.Tensor:
-    """Row softmax + hc_eps, column step, then (iters - 1) rounds of row and column normalisation."""
-    a = torch.softmax(logits, dim=-1) + hc_eps
-    a = a / (a.sum(-2, keepdim=True) + hc_eps)
-    for _ in range(iters - 1):
-        a = a / (a.sum(-1, keepdim=True) + hc_eps)
-        a = a / (a.sum(-2, keepdim=True) + hc_eps)
-    return a
 
 
 def mhc_pre_ref(stream: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
@@ -102,7 +95,7 @@ def mhc_pre_ref(stream: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
     m = (v @ fn.float().t()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     pre = torch.sigmoid(scale[0] * m[:, :C] + base[:C]) + hc_eps
     post = 2.0 * torch.sigmoid(scale[1] * m[:, C:2 * C] + base[C:2 * C])
-    comb = _sinkhorn_ref((scale[2] * m[:, 2 * C:] + base[2 * C:]).view(T, C, C), hc_eps, iters)
+    comb = sinkhorn((scale[2] * m[:, 2 * C:] + base[2 * C:]).view(T, C, C), hc_eps, iters)
     h = (pre_prev.float().unsqueeze(-1) * s).sum(1)
     x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
     return x.to(stream.dtype), pre, post, comb

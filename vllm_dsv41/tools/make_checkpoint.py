@@ -40,6 +40,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from vllm_dsv41 import formats, presets
+from vllm_dsv41.checkpoint import BF16, E8M0, F32, FP8, I8, Spec
 from vllm_dsv41.config import _OPTIONAL, _REQUIRED, ConfigError, DSV41Config, parse_config
 
 # ----------------------------------------------------------------------------
@@ -72,13 +73,6 @@ EXTRA_TEXT_KEYS = frozenset({"enable_confidence_head", "draft_vocab_size", "samp
                              "dspark_draft_topk", "n_group", "topk_group", "first_k_dense_replace",
                              "num_hash_layers"})
 
-FP8 = torch.float8_e4m3fn
-E8M0 = torch.float8_e8m0fnu
-BF16 = torch.bfloat16
-F32 = torch.float32
-I8 = torch.int8
-
-Spec = tuple[tuple[int, ...], torch.dtype]
 
 
 # ----------------------------------------------------------------------------
