@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-PEAK_BYTES_PER_S = 4.8e12
+from _common import HBM_BYTES_PER_S, open_gpu
 D, ID, R, EPS = 512, 128, 64, 1e-20
 COMP_REC, IDX_REC = D // 2 + D // 16, ID // 2 + ID // 32
 
@@ -54,21 +54,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 8192])
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
     args = parser.parse_args()
-    print("command:", " ".join([sys.executable, *sys.argv]))
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to benchmark")
+    triton = open_gpu("bench_compressor")
+    if triton is None:
         return 0
-    try:
-        import triton
-        from triton.testing import do_bench
-    except ImportError:
-        print("triton is not installed: nothing to benchmark")
-        return 0
+    from triton.testing import do_bench
 
     from vllm_dsv41.ops import compressor as cp
 
     torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"D={D} ID={ID} R={R}, bf16 wk, fp32 rows; times are medians in µs")
     print(f"{'ratio':>5} {'T':>5} {'ref µs':>9} {'triton µs':>10} {'speed-up':>8} {'MB moved':>9} {'GB/s':>7} "
           f"{'% 4.8TB/s':>9}  bytes equal to ref (comp / idx)")
@@ -84,7 +77,7 @@ def main() -> int:
         nbytes = ideal_bytes(T, ratio)
         gbs = nbytes / (t_tri * 1e-6) / 1e9
         print(f"{ratio:>5} {T:>5} {t_ref:>9.1f} {t_tri:>10.1f} {t_ref / t_tri:>7.1f}x {nbytes / 1e6:>9.2f} "
-              f"{gbs:>7.0f} {100 * gbs * 1e9 / PEAK_BYTES_PER_S:>8.1f}%  {eq[0]:.4f} / {eq[1]:.4f}")
+              f"{gbs:>7.0f} {100 * gbs * 1e9 / HBM_BYTES_PER_S:>8.1f}%  {eq[0]:.4f} / {eq[1]:.4f}")
         del a, ref_caches
         torch.cuda.empty_cache()
 

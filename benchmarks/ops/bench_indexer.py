@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-PEAK_BYTES_PER_S = 4.8e12
+from _common import HBM_BYTES_PER_S, open_gpu
 IH, ID, RPB = 32, 128, 64
 REC = ID // 2 + ID // 32
 
@@ -57,21 +57,14 @@ def main() -> int:
     parser.add_argument("--keys", type=int, nargs="+", default=[4096, 65536, 524288])
     parser.add_argument("--no-sweep", action="store_true", help="skip the launch-parameter sweep")
     args = parser.parse_args()
-    print("command:", " ".join([sys.executable, *sys.argv]))
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to benchmark")
+    triton = open_gpu("bench_indexer")
+    if triton is None:
         return 0
-    try:
-        import triton
-        from triton.testing import do_bench
-    except ImportError:
-        print("triton is not installed: nothing to benchmark")
-        return 0
+    from triton.testing import do_bench
 
     from vllm_dsv41.ops import indexer as ix
 
     torch.manual_seed(0)
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"IH={IH} ID={ID} record={REC} B, {RPB} records per block; times are medians in µs")
     print(f"{'T':>3} {'layout':>6} {'N':>7} {'q':>4} {'ref µs':>10} {'triton µs':>10} {'speed-up':>8} "
           f"{'MB moved':>9} {'GB/s':>7} {'% 4.8TB/s':>9}  max rel err")
@@ -91,7 +84,7 @@ def main() -> int:
                 gbs = nbytes / (t_tri * 1e-6) / 1e9
                 print(f"{T:>3} {layout:>6} {N:>7} {str(q_dtype)[6:10]:>4} {t_ref:>10.1f} {t_tri:>10.1f} "
                       f"{t_ref / t_tri:>7.1f}x {nbytes / 1e6:>9.2f} {gbs:>7.0f} "
-                      f"{100 * gbs * 1e9 / PEAK_BYTES_PER_S:>8.1f}%  {err:.1e}")
+                      f"{100 * gbs * 1e9 / HBM_BYTES_PER_S:>8.1f}%  {err:.1e}")
                 del a, tri, ref, got, want
                 torch.cuda.empty_cache()
 
@@ -115,7 +108,7 @@ def main() -> int:
             results.append((us, cfg))
         for us, cfg in sorted(results, key=lambda r: r[0])[:6]:
             print(f"  T={T:>2} N={N:>6} reqs={n_req:>2} {us:8.1f} µs "
-                  f"({100 * nbytes / (us * 1e-6) / PEAK_BYTES_PER_S:5.1f}% of 4.8 TB/s) {cfg}")
+                  f"({100 * nbytes / (us * 1e-6) / HBM_BYTES_PER_S:5.1f}% of 4.8 TB/s) {cfg}")
         del a
         torch.cuda.empty_cache()
     return 0

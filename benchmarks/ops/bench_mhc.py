@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-PEAK_BYTES_PER_S = 4.8e12
+from _common import HBM_BYTES_PER_S, open_gpu
 C, H, EPS, HC_EPS, ITERS = 4, 5120, 1e-20, 1e-6, 20
 
 
@@ -64,20 +64,13 @@ def main() -> int:
     parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 8192],
                         help="token counts of the _mhc_pre_kernel launch-parameter sweep (none: skip it)")
     args = parser.parse_args()
-    print("command:", " ".join([sys.executable, *sys.argv]))
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to benchmark")
+    triton = open_gpu("bench_mhc")
+    if triton is None:
         return 0
-    try:
-        import triton
-        from triton.testing import do_bench, do_bench_cudagraph
-    except ImportError:
-        print("triton is not installed: nothing to benchmark")
-        return 0
+    from triton.testing import do_bench, do_bench_cudagraph
 
     from vllm_dsv41.ops import mhc
 
-    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     print(f"C={C} H={H} stream bf16, eps={EPS} hc_eps={HC_EPS} iters={ITERS}; times are medians in µs")
     refs = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref}
     tris = {"pre": mhc._mhc_pre_triton, "post": mhc._mhc_post_triton, "post_pre": mhc._mhc_post_pre_triton}
@@ -97,7 +90,7 @@ def main() -> int:
             nbytes = ideal_bytes(op, T, 2)
             gbs = nbytes / (t_tri * 1e-6) / 1e9
             print(f"{op:>9} {T:>5} {t_ref:>9.1f} {t_tri:>10.1f} {t_ref / t_tri:>7.1f}x {t_graph:>9.1f} "
-                  f"{nbytes / 1e6:>9.2f} {gbs:>7.0f} {100 * gbs * 1e9 / PEAK_BYTES_PER_S:>8.1f}%")
+                  f"{nbytes / 1e6:>9.2f} {gbs:>7.0f} {100 * gbs * 1e9 / HBM_BYTES_PER_S:>8.1f}%")
             del a
             torch.cuda.empty_cache()
     print("(GB/s and % use the do_bench time, which starts from a flushed L2 like a real layer does; the graph "

@@ -14,13 +14,10 @@ outputs) and the fraction of 4.8 TB/s (H200 HBM) that triton reaches.  Not colle
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-HBM_BYTES_PER_S = 4.8e12
+from _common import HBM_BYTES_PER_S, open_gpu
 H = 5120
 CASES = [(E, k, T) for E, k in ((384, 6), (32, 6), (128, 3)) for T in (1, 16, 64, 1024, 8192)]
 
@@ -99,15 +96,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_router: no CUDA GPU, nothing to benchmark")
+    if open_gpu("bench_router") is None:
         return 0
-    import triton
-
-    torch.manual_seed(0)
-    print(f"command: {' '.join(sys.argv)}")
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
-          f"  H={H}  bf16 x, bf16 weight, fp32 bias, routed scaling 1.5")
+    print(f"  H={H}  bf16 x, bf16 weight, fp32 bias, routed scaling 1.5")
     run_cases()
     if not args.no_sweep:
         sweep()

@@ -18,17 +18,14 @@ Not collected by pytest; exits 0 with a message when there is no GPU.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from _common import HBM_BYTES_PER_S, open_gpu
 
-from vllm_dsv41 import formats  # noqa: E402
+from vllm_dsv41 import formats  # noqa: E402  (the repository is on sys.path now)
 from vllm_dsv41.ops import sparse_attn as sa  # noqa: E402
-
-HBM_BYTES_PER_S = 4.8e12
 Hq, D, R, W, K = 64, 512, 64, 128, 512
 
 
@@ -100,17 +97,11 @@ def main() -> int:
     ap.add_argument("--no-ref", action="store_true", help="skip the torch reference timing")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    print("command:", " ".join([os.path.basename(sys.executable)] + sys.argv))
-    if not torch.cuda.is_available():
-        print("bench_sparse_attn: no CUDA GPU here; nothing to measure")
+    if open_gpu("bench_sparse_attn", a.seed) is None:
         return 0
-    import triton
     from triton.testing import do_bench
 
-    torch.manual_seed(a.seed)
-    props = torch.cuda.get_device_properties(0)
-    print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
-          f"triton {triton.__version__}; Hq={Hq} D={D} R={R} W={W} K={K}, q bf16")
+    print(f"shapes: Hq={Hq} D={D} R={R} W={W} K={K}, q bf16")
     cfg = None
     if a.config:
         cfg = dict(BLOCK_H=a.config[0], BLOCK_N=a.config[1], num_warps=a.config[2], num_stages=a.config[3])

@@ -14,13 +14,10 @@ pytest.
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-HBM_BYTES_PER_S = 4.8e12
+from _common import HBM_BYTES_PER_S, open_gpu
 TOPK, BLOCK_SIZE, N_BLOCKS = 512, 8, 2048
 ROWS = (1, 64, 1024)
 TOPK_N = (4096, 65536, 524288)
@@ -104,15 +101,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_topk: no CUDA GPU, nothing to benchmark")
+    if open_gpu("bench_topk") is None:
         return 0
-    import triton
-
-    torch.manual_seed(0)
-    print(f"command: {' '.join(sys.argv)}")
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}"
-          f"  fp32 Gaussian scores, n_vis = N")
+    print("  fp32 Gaussian scores, n_vis = N")
     run_cases()
     if not args.no_sweep:
         sweep()
