@@ -103,3 +103,33 @@ def test_served_dtype_and_dummy_weights(tiny_ckpt, tiny_model, prompts):
                          SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
     lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
     assert len(o.outputs[0].token_ids) == 4 and all(abs(x) < 1e4 for x in lps)
+
+
+def test_kept_quantised_weights_equal_dequantised(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_WEIGHTS=quant`` keeps the FP8 / MXFP4 bytes and scales as stored (the layout the
+    CUDA path repacks for Marlin).  On CPU those layers dequantise per call into the same fp32 values the
+    load-time path holds, so every logit of the exact-mode ops run is the same bits - which checks the
+    loader's raw copies, the expert / shared-expert / grouped ``wo_a`` layers and the dummy loader's
+    scale values end to end.  Dummy weights in this mode give finite logits."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
+    if (None, "1") not in _RAW_LOGITS:
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            _RAW_LOGITS[(None, "1")] = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
+    monkeypatch.setenv("VLLM_DSV41_WEIGHTS", "quant")
+    with engine(tiny_ckpt, exact=True, **kw) as llm:
+        kinds = llm.apply_model(lambda model: {type(m).__name__ for m in model.modules()
+                                               if getattr(m, "quant", False)})[0]
+        got = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
+    assert kinds == {"QuantLinear", "Expert"}, kinds
+    for k, (a, b) in enumerate(zip(_RAW_LOGITS[(None, "1")], got)):
+        assert a.shape == b.shape and not b.isnan().any(), f"prompt {k}: incomplete logits"
+        assert torch.equal(a, b), f"prompt {k}: kept-quantised weights differ by {(a - b).abs().max().item():.3e}"
+    with engine(tiny_ckpt, exact=False, load_format="dummy") as llm:
+        o = llm.generate([TokensPrompt(prompt_token_ids=prompts[4])],
+                         SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
+    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+    assert len(o.outputs[0].token_ids) == 4 and all(abs(x) < 1e4 for x in lps)

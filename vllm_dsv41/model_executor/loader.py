@@ -2,7 +2,9 @@
 
 Owns ``load_dsv41_weights``: one rename table, one loop.  FP8 weights (32x32 E8M0
 tiles), MXFP4 experts and FP8 Engram rows arrive as a weight plus a ``.scale``
-tensor in either order; the pair is dequantised when both are there.  Anything
+tensor in either order.  A parameter that keeps the quantised bytes (the fast
+path, ``linear.py``) takes each tensor as stored; otherwise the pair is
+dequantised when both are there.  Anything
 the model has no parameter for, a wrong shape, or a scale without its weight is
 refused with an error naming the tensor.
 """
@@ -21,6 +23,9 @@ from vllm_dsv41.checkpoint import CheckpointError, E8M0, FP8, I8, open_checkpoin
 # checkpoint prefix -> module path in the target model
 _TARGET_RENAMES = (("layers.", "model.layers."),)
 _SKIP_PREFIXES = ("vision.", "aligner.", "image_")
+
+
+_KEPT_DTYPES = (FP8, I8, torch.uint8)  # parameter dtypes that take the checkpoint's bytes unchanged
 
 
 def _target_name(name: str) -> str | None:
@@ -64,6 +69,8 @@ def load_dsv41_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
         if tuple(p.shape) != tuple(value.shape):
             raise CheckpointError(f"checkpoint tensor {ckpt_name!r} has shape {list(value.shape)} "
                                   f"(dequantised), expected {list(p.shape)}")
+        if p.dtype in _KEPT_DTYPES and value.dtype != p.dtype:
+            raise CheckpointError(f"checkpoint tensor {ckpt_name!r} has dtype {value.dtype}, expected {p.dtype}")
         with torch.no_grad():
             p.copy_(value.to(p.dtype))
         loaded.add(pname)
@@ -71,6 +78,10 @@ def load_dsv41_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
     for name, tensor in weights:
         pname = rename(name)
         if pname is None:
+            continue
+        p = params.get(pname)
+        if p is not None and p.dtype in _KEPT_DTYPES:  # quantised weights kept as stored (linear.py)
+            put(name, pname, tensor.view(torch.uint8) if tensor.dtype == E8M0 else tensor)
             continue
         if name.endswith(".scale") or tensor.dtype in (FP8, I8):
             base = name[: -len(".scale")] if name.endswith(".scale") else name[: -len(".weight")]
@@ -82,7 +93,7 @@ def load_dsv41_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tens
                                  else slot["scale"], engram_rows=base.endswith("engram.embed"))
                 put(base + ".weight", rename(base + ".weight"), value)
             continue
-        put(name, pname, tensor.float())
+        put(name, pname, tensor)
     for base, slot in pending.items():
         missing = ".weight" if "weight" not in slot else ".scale"
         raise CheckpointError(f"checkpoint tensor {base + missing!r} is missing (its pair arrived alone)")

@@ -37,11 +37,13 @@ from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
+from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, loop_moe, marlin_expert_stack,
+                                              marlin_moe)
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficients, hc_collapse, hc_post,
                                         index_scores, rms_norm, rope_inv_freq, route, sparse_attention,
-                                        swiglu_clamped, topk_select)
+                                        topk_select)
 
 EXACT_ENV = "VLLM_DSV41_EXACT"
 OPS_ENV = "VLLM_DSV41_OPS"
@@ -77,20 +79,6 @@ def _ops():
     return torch.ops.dsv41
 
 
-class Dense(nn.Module):
-    """A linear layer holding its weight dequantised (``x @ weight.T``).
-
-    The CPU path keeps every parameter in fp32 whatever the served dtype: it is the path the
-    reference is compared against, and CPU matmuls gain nothing from bf16 here."""
-
-    def __init__(self, out_features: int, in_features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features, dtype=torch.float32), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.weight.t()
-
-
 class Norm(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
@@ -105,43 +93,43 @@ def _param(*shape: int) -> nn.Parameter:
 
 
 class Compressor(nn.Module):
-    def __init__(self, cfg: DSV41Config, plan: LayerPlan):
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan, wf: WeightFormat):
         super().__init__()
-        self.wkv = Dense(cfg.head_dim, cfg.hidden_size)
+        self.wkv = Dense(cfg.head_dim, cfg.hidden_size, wf.dense_dtype)
         if plan.compress_ratio == 2:
-            self.wgate = Dense(cfg.head_dim, cfg.hidden_size)
+            self.wgate = Dense(cfg.head_dim, cfg.hidden_size, wf.dense_dtype)
         self.norm = Norm(cfg.head_dim)
 
 
 class Indexer(nn.Module):
-    def __init__(self, cfg: DSV41Config, plan: LayerPlan):
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan, wf: WeightFormat):
         super().__init__()
-        self.wq_b = Dense(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
-        self.weights_proj = Dense(cfg.index_n_heads, cfg.hidden_size)
+        self.wq_b = QuantLinear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, wf.quant)
+        self.weights_proj = Dense(cfg.index_n_heads, cfg.hidden_size, wf.dense_dtype)
         if plan.owns_compressor:
-            self.wk = Dense(cfg.index_head_dim, cfg.head_dim)
+            self.wk = Dense(cfg.index_head_dim, cfg.head_dim, wf.dense_dtype)
             self.k_norm = Norm(cfg.index_head_dim)
 
 
 class Attention(nn.Module):
     """CSA2 attention of one layer (§2.5) over engine-allocated paged caches."""
 
-    def __init__(self, cfg: DSV41Config, plan: LayerPlan, prefix: str, bounded_replay: bool):
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan, prefix: str, bounded_replay: bool, wf: WeightFormat):
         super().__init__()
         self.cfg, self.plan, self.prefix = cfg, plan, prefix
-        D, H = cfg.head_dim, cfg.hidden_size
-        self.wq_a = Dense(cfg.q_lora_rank, H)
+        D, H, q = cfg.head_dim, cfg.hidden_size, wf.quant
+        self.wq_a = QuantLinear(cfg.q_lora_rank, H, q)
         self.q_norm = Norm(cfg.q_lora_rank)
-        self.wkv = Dense(D, H)
+        self.wkv = QuantLinear(D, H, q)
         self.kv_norm = Norm(D)
-        self.wq_b = Dense(cfg.num_attention_heads * D, cfg.q_lora_rank)
-        self.wo_a = Dense(cfg.o_groups * cfg.o_lora_rank, cfg.heads_per_group * D)
-        self.wo_b = Dense(H, cfg.o_groups * cfg.o_lora_rank)
+        self.wq_b = QuantLinear(cfg.num_attention_heads * D, cfg.q_lora_rank, q)
+        self.wo_a = QuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.heads_per_group * D, q, groups=cfg.o_groups)
+        self.wo_b = QuantLinear(H, cfg.o_groups * cfg.o_lora_rank, q)
         self.attn_sink = _param(cfg.num_attention_heads)
         if plan.owns_compressor:
-            self.compressor = Compressor(cfg, plan)
+            self.compressor = Compressor(cfg, plan, wf)
         if plan.owns_indexer:
-            self.indexer = Indexer(cfg, plan)
+            self.indexer = Indexer(cfg, plan, wf)
         self.register_buffer("inv_freq", rope_inv_freq(plan.rope, cfg.qk_rope_head_dim), persistent=False)
         self.eps = float(cfg.rms_norm_eps)
         # engine caches (not parameters): registered in vLLM's forward context by prefix
@@ -313,12 +301,12 @@ class Attention(nn.Module):
 
     def _swa_slots(self, step: Step, pos: torch.Tensor, req: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """SWA keys of every row: positions max(p - W + 1, floor, 0) .. p, as rows of the flat SWA
-        cache view, -1 padded.  [R, W] int32."""
+        cache view, -1 padded.  [R, W] int64 (a large pool's flat rows pass 2^31)."""
         W = self.cfg.sliding_window
         kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
         kp = torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
         slots = step.group(self.swa_cache.prefix).slots_of(req, kp)
-        return self.swa_cache.flat_slots(slots).to(torch.int32)
+        return self.swa_cache.flat_slots(slots)
 
     def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
                     xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
@@ -335,7 +323,7 @@ class Attention(nn.Module):
             if comp_slots is None:
                 ent = step.scratch[("topk_ids", plan.index_source)]
                 slots = step.group(src.comp_cache.prefix).slots_of(req, ent)
-                comp_slots = step.scratch[key] = src.comp_cache.flat_slots(slots).to(torch.int32)
+                comp_slots = step.scratch[key] = src.comp_cache.flat_slots(slots)
             comp_cache = src.comp_cache.flat_rows()[0]
         return _ops().sparse_attn(q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors),
                                   comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
@@ -358,21 +346,26 @@ class Attention(nn.Module):
         q = apply_rope(self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.positions[out_tok], self.inv_freq)
         attend = self._attend_ops if step.use_ops else self._attend_torch
         o = attend(model, step, q, out_tok, xr, qr, floors)
-        G = cfg.o_groups
-        wo_a = self.wo_a.weight.view(G, cfg.o_lora_rank, cfg.heads_per_group * D)
-        z = torch.einsum("tgk,gok->tgo", o.reshape(-1, G, cfg.heads_per_group * D), wo_a)
+        z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))
         return self.wo_b(z.flatten(1))
 
 
 # --------------------------------------------------------------------------- MoE, Engram
 
 
-class Expert(nn.Module):
-    def __init__(self, hidden: int, inter: int):
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, quant: bool, limit: float):
         super().__init__()
-        self.w1 = Dense(inter, hidden)
-        self.w3 = Dense(inter, hidden)
-        self.w2 = Dense(hidden, inter)
+        self.w1 = QuantLinear(inter, hidden, quant)
+        self.w3 = QuantLinear(inter, hidden, quant)
+        self.w2 = QuantLinear(hidden, inter, quant)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The clamped SwiGLU of ``swiglu_clamped`` over this expert's FP8 weights."""
+        a = self.w1(x).clamp(max=self.limit)
+        b = self.w3(x).clamp(-self.limit, self.limit)
+        return self.w2(torch.nn.functional.silu(a) * b)
 
 
 class Gate(nn.Module):
@@ -385,28 +378,31 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """sqrtsoftplus-routed experts + shared expert, clamped SwiGLU (§2.7)."""
 
-    def __init__(self, cfg: DSV41Config, plan: LayerPlan):
+    def __init__(self, cfg: DSV41Config, plan: LayerPlan, wf: WeightFormat):
         super().__init__()
         H, I = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Gate(plan.n_routed_experts, H)
-        self.experts = nn.ModuleList(Expert(H, I) for _ in range(plan.n_routed_experts))
-        self.shared_experts = Expert(H, I * cfg.n_shared_experts)
         self.k, self.scale, self.limit = plan.experts_per_tok, float(cfg.routed_scaling_factor), float(cfg.swiglu_limit)
+        self.gate = Gate(plan.n_routed_experts, H)
+        self.experts = nn.ModuleList(Expert(H, I, wf.quant) for _ in range(plan.n_routed_experts))
+        self.shared_experts = SharedExpert(H, I * cfg.n_shared_experts, wf.quant, self.limit)
+        self.marlin: tuple[torch.Tensor, ...] | None = None  # stacked MXFP4 experts (quantised, CUDA)
+
+    def finalize(self) -> None:
+        """After loading: quantised experts on CUDA become one Marlin MXFP4 stack."""
+        if self.experts[0].quant and self.gate.weight.device.type == "cuda":
+            self.marlin = marlin_expert_stack(self.experts)
+            del self.experts
 
     def forward(self, x: torch.Tensor, ops: bool = False) -> torch.Tensor:
         if ops:
             idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
-            idx = idx.long()
         else:
             idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
-        y = torch.zeros_like(x)
-        for e in idx.unique().tolist():
-            t, slot = (idx == e).nonzero(as_tuple=True)
-            ex = self.experts[e]
-            out = swiglu_clamped(x[t], ex.w1.weight, ex.w3.weight, ex.w2.weight, self.limit)
-            y.index_add_(0, t, out * wts[t, slot, None])
-        s = self.shared_experts
-        return y + swiglu_clamped(x, s.w1.weight, s.w3.weight, s.w2.weight, self.limit)
+        if self.marlin is not None:
+            y = marlin_moe(x, self.marlin, idx, wts, self.limit)
+        else:
+            y = loop_moe(x, self.experts, idx, wts, self.limit)
+        return y + self.shared_experts(x)
 
 
 class EngramTable(nn.Module):
@@ -418,12 +414,12 @@ class EngramTable(nn.Module):
 class Engram(nn.Module):
     """n-gram memory injected into the residual streams (§2.6)."""
 
-    def __init__(self, cfg: DSV41Config, layer_id: int):
+    def __init__(self, cfg: DSV41Config, layer_id: int, wf: WeightFormat):
         super().__init__()
         k = cfg.engram_layer_ids.index(layer_id)
         C, H, hd = cfg.hc_mult, cfg.hidden_size, cfg.engram_head_dim
         self.embed = EngramTable(cfg.engram_num_embeddings[k], hd)
-        self.wkv = Dense((C + 1) * H, cfg.engram_n_columns * hd)
+        self.wkv = QuantLinear((C + 1) * H, cfg.engram_n_columns * hd, wf.quant)
         self.q_weight = _param(C, H)
         self.k_weight = _param(C, H)
         self.layer_id, self.eps, self.C, self.H = layer_id, float(cfg.rms_norm_eps), C, H
@@ -443,7 +439,7 @@ class Engram(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: DSV41Config, layer_id: int, prefix: str, bounded_replay: bool):
+    def __init__(self, cfg: DSV41Config, layer_id: int, prefix: str, bounded_replay: bool, wf: WeightFormat):
         super().__init__()
         plan = cfg.plan(layer_id)
         self.plan = plan
@@ -453,10 +449,10 @@ class DecoderLayer(nn.Module):
         self.hc_attn_fn, self.hc_ffn_fn = _param(mix, C * H), _param(mix, C * H)
         self.hc_attn_base, self.hc_ffn_base = _param(mix), _param(mix)
         self.hc_attn_scale, self.hc_ffn_scale = _param(3), _param(3)
-        self.attn = Attention(cfg, plan, f"{prefix}.attn", bounded_replay)
-        self.ffn = MoE(cfg, plan)
+        self.attn = Attention(cfg, plan, f"{prefix}.attn", bounded_replay, wf)
+        self.ffn = MoE(cfg, plan, wf)
         if plan.has_engram:
-            self.engram = Engram(cfg, layer_id)
+            self.engram = Engram(cfg, layer_id, wf)
         self.eps, self.hc_eps, self.iters = float(cfg.rms_norm_eps), float(cfg.hc_eps), cfg.hc_sinkhorn_iters
 
     def _coeffs(self, kind: str, S: torch.Tensor):
@@ -506,11 +502,11 @@ def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
 
 
 class DeepseekV41Model(nn.Module):
-    def __init__(self, cfg: DSV41Config, bounded_replay: bool, prefix: str = ""):
+    def __init__(self, cfg: DSV41Config, bounded_replay: bool, wf: WeightFormat, prefix: str = ""):
         super().__init__()
         self.cfg = cfg
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, L, f"{prefix}layers.{L}", bounded_replay) for L in range(cfg.n_layers))
+            DecoderLayer(cfg, L, f"{prefix}layers.{L}", bounded_replay, wf) for L in range(cfg.n_layers))
         self.prune = bounded_replay and cfg.decoder_prunable
         self._engram = engram_math.engram_hashing_from_config(cfg) if cfg.engram_layer_ids else None
 
@@ -556,7 +552,7 @@ class DeepseekV41Model(nn.Module):
         if table is None:
             ent = torch.arange(n_max, device=step.device).expand(step.num_reqs, n_max)
             req = torch.arange(step.num_reqs, device=step.device)
-            table = step.scratch[key] = cache.flat_slots(g.slots_of(req, ent)).to(torch.int32)
+            table = step.scratch[key] = cache.flat_slots(g.slots_of(req, ent))
         return flat, table, 1
 
     def forward(self, step: Step, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -607,11 +603,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.bounded_replay = not exact_mode()
         self.ops_mode = ops_mode()
         cfg = self.cfg
+        self.weights = WeightFormat.choose(exact_mode())
+        wf = self.weights
         self.embed = Norm(1)
-        self.embed.weight = _param(cfg.vocab_size, cfg.hidden_size)
-        self.model = DeepseekV41Model(cfg, self.bounded_replay, prefix=f"{prefix}.model." if prefix else "model.")
+        self.embed.weight = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=wf.dense_dtype),
+                                         requires_grad=False)
+        self.model = DeepseekV41Model(cfg, self.bounded_replay, wf, prefix=f"{prefix}.model." if prefix else "model.")
         self.norm = Norm(cfg.hidden_size)
-        self.head = Dense(cfg.vocab_size, cfg.hidden_size)
+        self.head = Dense(cfg.vocab_size, cfg.hidden_size, wf.dense_dtype)
         if cfg.engram_layer_ids:
             self.model.set_token_map(_compressed_token_map(vllm_config, cfg))
 
@@ -640,6 +639,13 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_states.float())
+
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level hook after loading (checkpoint or dummy): quantised weights on CUDA are
+        repacked for Marlin (:mod:`~vllm_dsv41.model_executor.linear`)."""
+        for m in list(self.modules()):
+            if hasattr(m, "finalize"):
+                m.finalize()
 
     # weights ------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

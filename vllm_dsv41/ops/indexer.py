@@ -11,7 +11,7 @@ For query row t (of request req_of_row[t]) and compressed entry s < n_vis[t] of 
 where K[s] is the decoded record at slot block_table[req, s // rows_per_block] * rows_per_block
 + s % rows_per_block of ``idx_cache``.  Columns s >= n_vis[t] (up to n_max) are -inf.
 Shapes: q fp32/bf16 [T, IH, ID] (RoPE applied), w fp32 [T, IH] (already x ID^-0.5 x IH^-0.5),
-idx_cache uint8 [slots, ID/2 + ID/32], block_table int32 [num_reqs, max_blocks], req_of_row int32
+idx_cache uint8 [slots, ID/2 + ID/32], block_table int32 or int64 [num_reqs, max_blocks], req_of_row int32
 [T], n_vis int32 [T] -> scores fp32 [T, n_max].  n_max is an argument so the output shape never
 depends on device data (CUDA graphs, torch.compile).
 
@@ -149,7 +149,7 @@ def _index_scores_kernel(
     q_ptr,      # [T, IH, ID] fp32 / bf16
     w_ptr,      # [T, IH] fp32
     cache_ptr,  # uint8 [slots, ID/2 + ID/32]
-    bt_ptr,     # int32 [num_reqs, max_blocks]
+    bt_ptr,     # int32 / int64 [num_reqs, max_blocks]
     req_ptr,    # int32 [T] request of each row
     nvis_ptr,   # int32 [T] visible entries of each row
     out_ptr,    # fp32 [T, n_max]

@@ -14,8 +14,8 @@ slot −1 meaning "no key".  Keys and values are the same 512-d latent (MQA over
 
 The inverse RoPE belongs here because V carries the keys' rotations (§2.5.7).
 
-Shapes: q [T, Hq, D] bf16/fp32 (RoPE applied); swa_cache uint8 [S1, D + D/32]; swa_slots int32
-[T, W]; comp_cache uint8 [S2, D/2 + D/16] and comp_slots int32 [T, K] (both optional: SWA-only
+Shapes: q [T, Hq, D] bf16/fp32 (RoPE applied); swa_cache uint8 [S1, D + D/32]; swa_slots int32 or int64
+[T, W]; comp_cache uint8 [S2, D/2 + D/16] and comp_slots int32 or int64 [T, K] (both optional: SWA-only
 layers); sink fp32 [Hq]; positions int64 [T]; inv_freq fp32 [R/2] -> out [T, Hq, D] in q's dtype.
 Production: D = 512, Hq = 64 (per TP rank Hq/TP), R = 64, W = 128, K = 512.  The slots within one
 row's list must be distinct (the reference takes the union, the kernel sums every listed entry).
@@ -82,6 +82,11 @@ _REF_ROW_CHUNK = 64
 
 
 # --------------------------------------------------------------------------- reference
+
+
+def _slot_list(slots: torch.Tensor) -> torch.Tensor:
+    """Slot lists stay int32 or int64 as given (int64 once a pool's flat rows pass 2^31); others -> int64."""
+    return slots if slots.dtype in (torch.int32, torch.int64) else slots.to(torch.int64)
 
 
 def _check_inputs(q, swa_cache, swa_slots, comp_cache, comp_slots, sink, positions, inv_freq) -> None:
@@ -282,9 +287,9 @@ if triton is not None:
         q_ptr,            # [T, Hq, D] bf16/fp32, last dim contiguous
         swa8_ptr,         # uint8 [S1, D + D/32] MXFP8 records
         swa16_ptr,        # the same storage as int16 words
-        swa_slot_ptr,     # int32 [T, W]
+        swa_slot_ptr,     # int32 / int64 [T, W]
         comp8_ptr,        # uint8 [S2, D/2 + D/16] NVFP4 records (unused without HAS_COMP)
-        comp_slot_ptr,    # int32 [T, K]
+        comp_slot_ptr,    # int32 / int64 [T, K]
         sink_ptr,         # fp32 [Hq]
         pos_ptr,          # int64 [T]
         inv_freq_ptr,     # fp32 [R/2]
@@ -488,14 +493,14 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
     if swa_cache.stride(0) % 2 or swa_cache.storage_offset() % 2:
         raise ValueError("sparse_attn: swa_cache rows must start on even byte offsets (read as 16-bit words)")
     swa16 = swa_cache.view(torch.int16)
-    swa_slots = swa_slots.to(torch.int32)
+    swa_slots = _slot_list(swa_slots)
     if swa_slots.stride(1) != 1:
         swa_slots = swa_slots.contiguous()
     W = swa_slots.shape[1]
     has_comp = comp_cache is not None
     if has_comp:
         comp_cache = comp_cache if comp_cache.stride(1) == 1 else comp_cache.contiguous()
-        comp_slots = comp_slots.to(torch.int32)
+        comp_slots = _slot_list(comp_slots)
         if comp_slots.stride(1) != 1:
             comp_slots = comp_slots.contiguous()
         K = comp_slots.shape[1]

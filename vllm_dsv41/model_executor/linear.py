@@ -1,0 +1,251 @@
+"""The model's weight-holding layers: dequantised (the exact path) or kept quantised (the fast path).
+
+Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three layer kinds:
+
+* :class:`Dense` - a checkpoint-bf16 weight (compressor, indexer keys, norms' neighbours, head),
+  held in fp32 on the exact path and in bf16 on the fast path;
+* :class:`QuantLinear` - an FP8 E4M3 weight with 32x32 UE8M0 tiles.  Dequantised on arrival on
+  the exact path; on the fast path the FP8 bytes and tiles are kept, and on CUDA repacked once
+  after loading for vLLM's Marlin W8A16 MXFP8 GEMM (a 32x32 tile is 32 rows of one 1x32 MX
+  scale, so the repack is exact); on CPU the fast path dequantises per call (the reference);
+* :class:`Expert` - a routed expert (MXFP4, 1x32 UE8M0).  Quantised on CUDA, a layer's experts are
+  stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
+  Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
+  (:func:`marlin_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
+  reference).
+
+Why Marlin (docs/design.md, "Hopper weights"): it is the W8A16 / W4A16 path vLLM 0.32 ships for
+SM90 that takes the checkpoint's own scales without requantisation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from vllm_dsv41 import formats
+from vllm_dsv41.checkpoint import E8M0, FP8, I8
+
+WEIGHTS_ENV = "VLLM_DSV41_WEIGHTS"
+E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
+
+
+def weights_mode(exact: bool, on_cuda: bool) -> str:
+    """``VLLM_DSV41_WEIGHTS``: ``dequant`` (fp32 weights dequantised at load), ``quant`` (FP8 /
+    MXFP4 kept, Marlin on CUDA) or ``auto`` (default: ``quant`` on CUDA unless exact mode)."""
+    v = os.environ.get(WEIGHTS_ENV, "auto").strip().lower()
+    if v in ("", "auto"):
+        return "quant" if on_cuda and not exact else "dequant"
+    if v not in ("dequant", "quant"):
+        raise ValueError(f"{WEIGHTS_ENV}={v!r}: expected auto, dequant or quant")
+    return v
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the model holds checkpoint weights: ``quant`` keeps FP8 / MXFP4 bytes (else fp32
+    dequantised), ``dense_dtype`` is the dtype of the checkpoint's bf16 weights (bf16 only on the
+    fast CUDA path)."""
+
+    quant: bool
+    dense_dtype: torch.dtype
+
+    @staticmethod
+    def choose(exact: bool) -> "WeightFormat":
+        from vllm.platforms import current_platform
+
+        on_cuda = current_platform.is_cuda()
+        quant = weights_mode(exact, on_cuda) == "quant"
+        return WeightFormat(quant, torch.bfloat16 if quant and on_cuda else torch.float32)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _frozen(t: torch.Tensor, dummy: int | None = None) -> nn.Parameter:
+    p = nn.Parameter(t, requires_grad=False)
+    if dummy is not None:
+        p.dummy_weight_value = dummy  # read by vLLM's dummy loader (integer tensors are otherwise left alone)
+    return p
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class Dense(nn.Module):
+    """``x @ weight.T`` for a weight stored in bf16 by the checkpoint.
+
+    ``dtype`` fp32 (exact path: the reference's arithmetic) or bf16 (fast path: the checkpoint's own
+    values, half the bytes, tensor cores); the result is returned in ``x``'s dtype."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.weight = _frozen(torch.zeros(out_features, in_features, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if w.dtype == x.dtype:
+            return x @ w.t()
+        return torch.nn.functional.linear(x.to(w.dtype), w).to(x.dtype)
+
+
+class _MarlinShim(nn.Module):
+    """The attributes vLLM's Marlin preparation reads from a linear layer."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor):
+        super().__init__()
+        self.output_size_per_partition, self.input_size_per_partition = weight.shape
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.params_dtype = torch.bfloat16
+
+
+def marlin_mxfp8(weight: torch.Tensor, tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 [N, K] + UE8M0 32x32 tiles (uint8 [N/32, K/32]) -> Marlin (weight, scale) for bf16 inputs."""
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import prepare_mxfp8_layer_for_marlin
+
+    N, K = weight.shape
+    row_scales = formats.as_uint8(tiles).repeat_interleave(32, 0)[:N].contiguous()  # [N, K/32]
+    shim = _MarlinShim(weight, row_scales)
+    with _default_dtype(torch.bfloat16):
+        prepare_mxfp8_layer_for_marlin(shim)
+    return shim.weight.data, shim.weight_scale.data
+
+
+class QuantLinear(nn.Module):
+    """An FP8 (32x32 UE8M0 tiles) checkpoint weight.
+
+    ``quant=False``: ``weight`` is the dequantised fp32 matrix (the loader dequantises on arrival).
+    ``quant=True``: ``weight`` (FP8 [N, K]) and ``scale`` (uint8 [N/32, K/32]) keep the checkpoint's
+    bytes; :meth:`finalize` repacks them for Marlin on CUDA.  ``groups`` > 1 splits the rows into
+    that many independent blocks applied to the matching slices of the input (the grouped ``wo_a``)."""
+
+    def __init__(self, out_features: int, in_features: int, quant: bool, groups: int = 1):
+        super().__init__()
+        self.out_features, self.in_features, self.quant, self.groups = out_features, in_features, quant, groups
+        self.marlin: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        if not quant:
+            self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float32))
+            return
+        self.weight = _frozen(torch.zeros(out_features, in_features, dtype=FP8))
+        self.scale = _frozen(torch.full((_cdiv(out_features, 32), _cdiv(in_features, 32)), E8M0_ONE,
+                                        dtype=torch.uint8), dummy=E8M0_ONE)
+
+    def dequantized(self) -> torch.Tensor:
+        if not self.quant:
+            return self.weight
+        return formats.dequant_fp8_block(self.weight, self.scale.view(E8M0), 32)
+
+    def finalize(self) -> None:
+        """After loading: repack for Marlin when the weight lives on CUDA."""
+        if not self.quant or self.weight.device.type != "cuda":
+            return
+        rows = self.out_features // self.groups
+        if rows % 32:
+            raise ValueError(f"QuantLinear: {self.groups} groups of {rows} rows do not align with 32x32 tiles")
+        self.marlin = [marlin_mxfp8(self.weight.data[g * rows:(g + 1) * rows],
+                                    self.scale.data[g * rows // 32:(g + 1) * rows // 32])
+                       for g in range(self.groups)]
+        del self.weight, self.scale  # the repacked copies replace them
+
+    def _marlin_gemm(self, x: torch.Tensor, g: int) -> torch.Tensor:
+        from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import apply_mxfp8_marlin_linear
+
+        w, s = self.marlin[g]
+        return apply_mxfp8_marlin_linear(input=x, weight=w, weight_scale=s, workspace=None,
+                                         size_n=self.out_features // self.groups,
+                                         size_k=self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
+        G = self.groups
+        if self.marlin is not None:
+            xb = x.to(torch.bfloat16)
+            if G == 1:
+                return self._marlin_gemm(xb, 0).to(x.dtype)
+            return torch.stack([self._marlin_gemm(xb[:, g].contiguous(), g) for g in range(G)], 1).to(x.dtype)
+        w = self.dequantized().to(x.dtype)
+        if G == 1:
+            return x @ w.t()
+        return torch.einsum("tgk,gok->tgo", x, w.view(G, self.out_features // G, self.in_features))
+
+
+class Expert(nn.Module):
+    """One routed expert as the checkpoint stores it: w1, w3 [I, H] and w2 [H, I] (MXFP4 or dequantised)."""
+
+    def __init__(self, hidden: int, inter: int, quant: bool):
+        super().__init__()
+        for name, (r, c) in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter))):
+            sub = nn.Module()
+            if quant:
+                sub.weight = _frozen(torch.zeros(r, c // 2, dtype=I8))
+                sub.scale = _frozen(torch.full((r, c // 32), E8M0_ONE, dtype=torch.uint8), dummy=E8M0_ONE)
+            else:
+                sub.weight = _frozen(torch.zeros(r, c, dtype=torch.float32))
+            setattr(self, name, sub)
+        self.quant = quant
+
+    def weight(self, name: str) -> torch.Tensor:
+        sub = getattr(self, name)
+        if not self.quant:
+            return sub.weight
+        return formats.dequant_mxfp4(sub.weight, sub.scale.view(E8M0))
+
+
+def marlin_expert_stack(experts: nn.ModuleList) -> tuple[torch.Tensor, ...]:
+    """Quantised :class:`Expert` s on CUDA -> Marlin MXFP4 (w13, w2, w13 scales, w2 scales), w13 = [w1; w3]."""
+    import types
+
+    from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
+        prepare_moe_mxfp4_layer_for_marlin)
+
+    w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in experts]).view(torch.uint8)
+    s13 = torch.stack([torch.cat((e.w1.scale, e.w3.scale)) for e in experts])
+    w2 = torch.stack([e.w2.weight for e in experts]).view(torch.uint8)
+    s2 = torch.stack([e.w2.scale for e in experts])
+    w13, w2, s13, s2, _, _ = prepare_moe_mxfp4_layer_for_marlin(types.SimpleNamespace(params_dtype=torch.bfloat16),
+                                                                w13, w2, s13, s2, None, None)
+    return w13, w2, s13, s2
+
+
+def marlin_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,
+               limit: float) -> torch.Tensor:
+    """Routed experts through vLLM's ``fused_marlin_moe``: x [T, H], idx [T, k], wts [T, k] -> [T, H]."""
+    from vllm.model_executor.layers.fused_moe.activation import ApplyMoEActivationConfig, MoEActivation
+    from vllm.model_executor.layers.fused_moe.experts.marlin_moe import fused_marlin_moe
+    from vllm.scalar_type import scalar_types
+
+    w13, w2, s13, s2 = stack
+    y = fused_marlin_moe(x.to(torch.bfloat16).contiguous(), w13, w2, None, None, s13, s2,
+                         wts.float().contiguous(), idx.to(torch.int32).contiguous(),
+                         quant_type_id=scalar_types.float4_e2m1f.id, activation=MoEActivation.SILU,
+                         activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
+    return y.to(x.dtype)
+
+
+def loop_moe(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, wts: torch.Tensor,
+             limit: float) -> torch.Tensor:
+    """Routed experts one by one over their (dequantised) weights: the reference path (host-synchronising)."""
+    from vllm_dsv41.reference.model import swiglu_clamped
+
+    idx = idx.long()
+    y = torch.zeros_like(x)
+    for e in idx.unique().tolist():
+        t, slot = (idx == e).nonzero(as_tuple=True)
+        ex = experts[e]
+        out = swiglu_clamped(x[t], ex.weight("w1").to(x.dtype), ex.weight("w3").to(x.dtype),
+                             ex.weight("w2").to(x.dtype), limit)
+        y.index_add_(0, t, out * wts[t, slot, None].to(x.dtype))
+    return y
