@@ -1,0 +1,78 @@
+"""The fast-path weight layers on CUDA (vLLM's Marlin kernels) against their dequantised references.
+
+Run on the GPU machine: ``python -m pytest -q -s -m gpu tests/gpu/test_marlin_weights.py``.  Skipped
+without CUDA.  Random weights in the checkpoint's formats at the bench config's shapes: a dense FP8
+(32x32 UE8M0) GEMM, the grouped ``wo_a``, and the routed MXFP4 experts with the clamped SwiGLU.
+Marlin takes bf16 activations and accumulates in fp32, so the comparison is relative to the output
+scale (bf16 rounding of the inputs is the dominant difference).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_dsv41 import formats
+from vllm_dsv41.model_executor.linear import Expert, QuantLinear, loop_moe, marlin_expert_stack, marlin_moe
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+REL_TOL = 2e-2
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def _fp8_linear(N: int, K: int, groups: int = 1) -> QuantLinear:
+    lin = QuantLinear(N, K, quant=True, groups=groups).cuda()
+    w, s = formats.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.05, 32)
+    lin.weight.data.copy_(w)
+    lin.scale.data.copy_(formats.as_uint8(s))
+    return lin
+
+
+@pytest.mark.parametrize("T", [1, 16, 300])
+@pytest.mark.parametrize("N,K", [(1280, 5120), (32768, 1280), (5120, 8192)])
+def test_marlin_fp8_linear(T, N, K):
+    lin = _fp8_linear(N, K)
+    x = torch.randn(T, K, device="cuda")
+    ref = x.to(torch.bfloat16).float() @ lin.dequantized().t()
+    lin.finalize()
+    got = lin(x)
+    err = _rel(got, ref)
+    print(f"marlin fp8 linear T={T} N={N} K={K}: rel err {err:.2e}")
+    assert got.dtype == x.dtype and err < REL_TOL
+
+
+def test_marlin_grouped_wo_a():
+    G, O, K = 8, 1024, 4096
+    lin = _fp8_linear(G * O, K, groups=G)
+    x = torch.randn(5, G, K, device="cuda")
+    ref = torch.einsum("tgk,gok->tgo", x.to(torch.bfloat16).float(), lin.dequantized().view(G, O, K))
+    lin.finalize()
+    err = _rel(lin(x), ref)
+    print(f"marlin grouped wo_a: rel err {err:.2e}")
+    assert err < REL_TOL
+
+
+@pytest.mark.parametrize("T", [1, 7, 64, 512])
+def test_marlin_mxfp4_moe(T):
+    E, H, I, k, limit = 32, 5120, 2304, 6, 10.0
+    experts = nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for ex in experts:
+        for name, (r, c) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            q, s = formats.quant_mxfp4(torch.randn(r, c, device="cuda", generator=g) * 0.05)
+            getattr(ex, name).weight.data.copy_(q.view(torch.int8))
+            getattr(ex, name).scale.data.copy_(formats.as_uint8(s))
+    x = torch.randn(T, H, device="cuda", generator=g) * 2
+    idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
+    wts = torch.rand(T, k, device="cuda")
+    ref = loop_moe(x.to(torch.bfloat16).float(), experts, idx, wts, limit)
+    got = marlin_moe(x, marlin_expert_stack(experts), idx, wts, limit)
+    err = _rel(got, ref)
+    clamped = (x.to(torch.bfloat16).float() @ experts[int(idx[0, 0])].weight("w1").t()).abs().max().item()
+    print(f"marlin mxfp4 moe T={T}: rel err {err:.2e} (largest gate pre-activation {clamped:.1f}, limit {limit})")
+    assert err < REL_TOL
