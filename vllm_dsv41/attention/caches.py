@@ -141,9 +141,6 @@ class DSV41CacheLayer(nn.Module, AttentionLayerBase):
         g = math.gcd(sb, sr) if nb > 1 else sr
         bstep, rstep = sb // g, sr // g
         n = (nb - 1) * bstep + (e - 1) * rstep + 1
-        if n >= 2 ** 31:
-            raise RuntimeError(f"{self.prefix}: the KV pool is too large for the ops' int32 slot lists ({n} flat "
-                               f"rows of {g} bytes); cap it with kv_cache_memory_bytes or set VLLM_DSV41_OPS=0")
         flat = kv.as_strided((n, row), (g, 1), kv.storage_offset())
         self._flat = (key, (flat, bstep, rstep))
         return self._flat[1]
