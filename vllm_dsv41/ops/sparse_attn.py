@@ -43,8 +43,9 @@ main kernel normalises and writes directly.  Dequantised keys are exact in bf16 
 E2M1 x E4M3 both fit in 8 significant bits), so with bf16 q only the probabilities are rounded
 (to bf16, for the P·V dot); with fp32 q everything stays fp32 ("ieee" dots).
 
-Tuning knobs (measured on the GPU, not here): BLOCK_H / BLOCK_N / warps / stages through the
-autotuner (``_TUNE_CONFIGS``, keyed on the power-of-two bucket of T) or a pinned ``config``; the
+Tuning knobs (measured on the GPU, not here): BLOCK_H / BLOCK_N / warps / stages from
+:func:`default_config` (the autotuner's H200 winners), the autotuner (``_TUNE_CONFIGS``, keyed on the
+power-of-two bucket of T; ``VLLM_DSV41_AUTOTUNE=1``) or a pinned ``config``; the
 split count (``default_num_splits``: one wave of 64-head programs); ``hw_fp8`` (hardware E4M3
 conversion or integer decoding).  With BLOCK_H = 64 the fp32 accumulator alone is 128 registers
 per thread at 8 warps, so the kernel runs one CTA per SM.
@@ -76,6 +77,7 @@ LOG2E = 1.4426950408889634
 SPLIT_ALIGN = 64
 """Keys per split are a multiple of this (so every BLOCK_N in the tuning list divides it)."""
 MIN_KEYS_PER_SPLIT = 64
+AUTOTUNE_ENV = "VLLM_DSV41_AUTOTUNE"  # 1: the Triton autotuner picks the launch config per shape key
 """The default split count never cuts a row's keys into ranges shorter than this."""
 _REF_ROW_CHUNK = 64
 """The reference attends this many rows at a time (bounds the [rows, heads, keys] logits)."""
@@ -451,6 +453,16 @@ def default_num_splits(T: int, Hq: int, n_virtual_keys: int, device: torch.devic
     return max(1, min(sms // units, n_virtual_keys // MIN_KEYS_PER_SPLIT))
 
 
+def default_config(T: int, Hq: int) -> dict:
+    """The launch config used unless ``VLLM_DSV41_AUTOTUNE=1``: the autotuner's H200 winners at the
+    production shapes (docs/benchmarks.md) - 16-head tiles when a handful of rows (or heads) cannot fill
+    64-head tiles, else 64 heads (warp-group MMA); 64-key tiles, 8 warps, 2 stages.  Autotuning in the
+    engine compiles and times nine variants for every new (T bucket, K, splits) key: minutes of stalls
+    on the first steps of a server."""
+    bh = 16 if T < 8 or Hq < 64 else 64
+    return {"BLOCK_H": bh, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+
+
 def plan_splits(T: int, Hq: int, W: int, K: int, device: torch.device,
                 num_splits: int | None = None) -> tuple[int, int, int]:
     """(W_pad, keys_per_split, splits) of the virtual key list [SWA 0..W_pad) + [compressed K)."""
@@ -534,6 +546,8 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
     flags = dict(D=D, R=R, HAS_COMP=has_comp, HW_FP8=bool(hw_fp8), DOT_PREC=dot_prec,
                  P_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32,
                  SWA_ALIGNED=_rows_aligned(swa_cache), COMP_ALIGNED=_rows_aligned(comp_cache), PAIR_IO=pair_io)
+    if config is None and os.environ.get(AUTOTUNE_ENV, "0") != "1":
+        config = default_config(T, Hq)
     if config is not None:
         cfg = dict(config)
         bh, bn = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
