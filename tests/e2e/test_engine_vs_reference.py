@@ -133,3 +133,26 @@ def test_kept_quantised_weights_equal_dequantised(tiny_ckpt, prompts, monkeypatc
                          SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
     lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
     assert len(o.outputs[0].token_ids) == 4 and all(abs(x) < 1e4 for x in lps)
+
+
+def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_CUDAGRAPH=static`` runs every decode step the way a captured CUDA graph does (padded
+    to a power-of-two batch, fixed buffers, the context bucket's score width: ``graphs.py``) but without
+    capture, so CPU checks the padding: with at most 6 requests per step the 9 prompts decode as batches of
+    6 and 3, padded to 8 and 4.  Against the same run unpadded the tokens are equal and the logits differ
+    only by fp32 summation order (matmuls over 8 rows instead of 6)."""
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6)
+    runs = {}
+    for mode in ("0", "static"):
+        monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", mode)
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            outs = _generate(llm, prompts, logits=True)
+            runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
+            if mode == "static":
+                keys = llm.apply_model(lambda model: sorted(model._graphs.entries_seen))[0]
+    assert {(8, 1024), (4, 1024)} <= set(keys), keys
+    assert runs["0"][0] == runs["static"][0]
+    worst = max((a - b).abs().max().item() for a, b in zip(runs["0"][1], runs["static"][1]))
+    print(f"padded static decode steps: tokens equal, largest |logit difference| {worst:.2e}")
+    assert worst < 1e-3

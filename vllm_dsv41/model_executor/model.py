@@ -39,6 +39,7 @@ from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, loop_moe, marlin_expert_stack,
                                               marlin_moe)
+from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficients, hc_collapse, hc_post,
@@ -613,6 +614,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.head = Dense(cfg.vocab_size, cfg.hidden_size, wf.dense_dtype)
         if cfg.engram_layer_ids:
             self.model.set_token_map(_compressed_token_map(vllm_config, cfg))
+        self._graph_mode: str | None = None  # decided on the first step (graphs.graph_mode)
+        self._graphs: DecodeGraphs | None = None
 
     # vLLM model interface -------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -621,21 +624,41 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         cfg = self.cfg
-        e = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        T = e.shape[0]
+        dev = (input_ids if input_ids is not None else inputs_embeds).device
+        T = (input_ids if input_ids is not None else inputs_embeds).shape[0]
         meta = current_step()
+        out = torch.zeros(T, cfg.hidden_size, dtype=torch.float32, device=dev)
         if meta is None or meta.num_tokens == 0 or meta.num_tokens > T:  # profile / dummy run: no caches
-
-            return torch.zeros(T, cfg.hidden_size, dtype=e.dtype, device=e.device)
+            return out
         n = meta.num_tokens  # rows past n are the runner's padding
-        step = Step(meta, input_ids[:n] if input_ids is not None else None, device=e.device,
-                    use_ops=use_ops(self.ops_mode, e.device))
-        S = e[:n].float()[:, None, :].expand(n, cfg.hc_mult, cfg.hidden_size).contiguous()
-        S, pre, tok = self.model(step, S)
-        h = rms_norm(hc_collapse(S, pre), self.norm.weight, float(cfg.rms_norm_eps))
-        out = torch.zeros(T, cfg.hidden_size, dtype=h.dtype, device=h.device)
+        ops = use_ops(self.ops_mode, dev)
+        graphs = self._decode_graphs(dev, ops) if inputs_embeds is None else None
+        if graphs is not None and graphs.accepts(meta):
+            out[:n] = graphs.run(meta, input_ids, dev, capture=self._graph_mode == "capture")
+            return out
+        step = Step(meta, input_ids[:n] if input_ids is not None else None, device=dev, use_ops=ops)
+        e = inputs_embeds[:n] if inputs_embeds is not None else self.embed_input_ids(input_ids[:n])
+        h, tok = self._final_hidden(step, e)
         out[tok] = h  # rows the decoder skipped stay zero; only each request's last row is sampled
         return out
+
+    def _final_hidden(self, step: Step, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Embeddings [n, H] of the step's tokens -> (final hidden states of the rows the decoder kept, those
+        rows' token indices)."""
+        cfg = self.cfg
+        S = e.float()[:, None, :].expand(e.shape[0], cfg.hc_mult, cfg.hidden_size).contiguous()
+        S, pre, tok = self.model(step, S)
+        return rms_norm(hc_collapse(S, pre), self.norm.weight, float(cfg.rms_norm_eps)), tok
+
+    def _decode_graphs(self, device: torch.device, ops: bool) -> DecodeGraphs | None:
+        """The decode-step graphs (``graphs.py``), made on the first step; None when off."""
+        if self._graph_mode is None:
+            self._graph_mode = graph_mode(device, ops)
+            if self._graph_mode != "off":
+                sc, mc = self.vllm_config.scheduler_config, self.vllm_config.model_config
+                self._graphs = DecodeGraphs(lambda st: self._final_hidden(st, self.embed_input_ids(st.input_ids))[0],
+                                            max_batch=min(sc.max_num_seqs, 512), max_context=mc.max_model_len)
+        return self._graphs
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_states.float())

@@ -1,0 +1,199 @@
+"""CUDA graphs of whole decode steps, captured and replayed by the model itself.
+
+Owns :class:`DecodeGraphs`.  A decode step (every scheduled request brings one token) is padded
+to a batch bucket (1, 2, 4, ... ``max_batch``) and run against a :class:`StaticStep` whose device
+tensors are fixed buffers; its host-side bounds are fixed per context bucket (the largest
+position the graph serves, a power of two >= ``MIN_CONTEXT``), which sets the indexer's score
+width.  The first step of a (batch, context) key runs eagerly (that result is returned) and is
+then captured; later steps copy their metadata into the buffers and replay.  Prefill and mixed
+steps, and the plain-PyTorch path, stay eager.
+
+Why here and not vLLM's CUDA-graph wrapper: vLLM 0.32 captures through torch.compile's piecewise
+backend or FULL graphs driven by the attention backend's own metadata buffers; our step metadata
+(KV-source block tables, compressed slots, ring ids, Engram lookback ids) lives outside those, and a
+decode step's shapes depend on the context bucket, which vLLM's capture sizes do not know.  Padding
+is exact: padded rows write nothing (slot -1), read block 0 and are discarded
+(``pad_decode_meta``), so a padded step returns the same rows as the unpadded one
+(``tests/e2e/test_graphs.py`` checks this on CPU without capture).
+
+``VLLM_DSV41_CUDAGRAPH``: ``auto`` (default: on CUDA with the ops path), ``0`` (off) or ``static``
+(the padded static steps without capture, on any device: how the CPU tests check the padding).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+
+from vllm_dsv41.attention.backend import DSV41GroupMetadata, DSV41StepMetadata
+from vllm_dsv41.model_executor.step import GroupView, Step
+
+GRAPH_ENV = "VLLM_DSV41_CUDAGRAPH"
+MIN_CONTEXT = 1024
+
+
+def graph_mode(device: torch.device, use_ops: bool) -> str:
+    """``capture``, ``static`` or ``off`` for this model (see the module docstring)."""
+    v = os.environ.get(GRAPH_ENV, "auto").strip().lower()
+    if v in ("0", "false", "off", "no"):
+        return "off"
+    if v == "static":
+        return "static" if use_ops else "off"
+    if v not in ("", "auto", "1", "true", "on", "yes"):
+        raise ValueError(f"{GRAPH_ENV}={v!r}: expected auto, 0 or static")
+    return "capture" if device.type == "cuda" and use_ops else "off"
+
+
+def _pow2_at_least(n: int, lo: int = 1) -> int:
+    b = lo
+    while b < n:
+        b *= 2
+    return b
+
+
+def is_decode_step(meta: DSV41StepMetadata, max_batch: int) -> bool:
+    """Every request brings exactly one token (and there are at most ``max_batch`` of them)."""
+    return 0 < meta.num_reqs <= max_batch and meta.num_tokens == meta.num_reqs
+
+
+def _pad(t: torch.Tensor, n: int, fill) -> torch.Tensor:
+    if t.shape[0] == n:
+        return t
+    pad = torch.full((n - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)
+    return torch.cat((t, pad))
+
+
+def pad_decode_meta(meta: DSV41StepMetadata, batch: int) -> DSV41StepMetadata:
+    """``meta`` of a decode step grown to ``batch`` requests.  Padded request i (one token, position 0)
+    writes no KV (slot -1), reads through an all-zero block-table row (the null block) and has no
+    lookback ids; the real rows are untouched, so their results are those of the unpadded step."""
+    n = meta.num_reqs
+    B = batch
+    ar = torch.arange(B + 1, dtype=meta.query_start_loc.dtype)
+    out = DSV41StepMetadata(
+        num_reqs=B, num_tokens=B, req_ids=list(meta.req_ids) + [None] * (B - n),
+        query_start_loc=ar, seq_lens=_pad(meta.seq_lens, B, 1), context_lens=_pad(meta.context_lens, B, 0),
+        positions=_pad(meta.positions, B, 0), token_req_idx=torch.arange(B, dtype=meta.token_req_idx.dtype),
+        replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
+        lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False))
+    done: dict[int, DSV41GroupMetadata] = {}
+    for name, g in meta.groups.items():
+        pg = done.get(id(g))
+        if pg is None:
+            pg = done[id(g)] = DSV41GroupMetadata(
+                kind=g.kind, block_size=g.block_size, tokens_per_state=g.tokens_per_state,
+                rows_per_block=g.rows_per_block, block_table=_pad(g.block_table, B, 0),
+                slot_mapping=_pad(g.slot_mapping, B, -1),
+                ring_block_ids=None if g.ring_block_ids is None else _pad(g.ring_block_ids, B, 0),
+                layer_names=g.layer_names, step=out)
+        out.groups[name] = pg
+    return out
+
+
+class StaticStep(Step):
+    """A :class:`Step` whose device tensors are fixed buffers (refilled by :meth:`load`) and whose
+    host-side bound on positions is the graph's context bucket."""
+
+    def __init__(self, meta: DSV41StepMetadata, device: torch.device, context: int):
+        super().__init__(meta, torch.zeros(meta.num_tokens, dtype=torch.long, device=device), device=device,
+                         use_ops=True)
+        self.context = context
+        for key, t in self._fields(meta).items():
+            self._dev[key] = t.to(device=device, dtype=torch.int64).clone()
+        self._views: dict[str, GroupView] = {}
+        made: dict[int, GroupView] = {}
+        for name, g in meta.groups.items():
+            v = made.get(id(g))
+            if v is None:
+                v = made[id(g)] = GroupView(g, device)
+                v.block_table_i32 = v.block_table_i32.clone()
+                v.block_table = v.block_table.clone()
+                v.slot_mapping = v.slot_mapping.clone()
+                if v.ring_block_ids is not None:
+                    v.ring_block_ids = v.ring_block_ids.clone()
+            self._views[name] = v
+
+    @staticmethod
+    def _fields(meta: DSV41StepMetadata) -> dict[str, torch.Tensor]:
+        return {"positions": meta.positions, "req_idx": meta.token_req_idx, "query_start_loc": meta.query_start_loc,
+                "seq_lens": meta.seq_lens, "replay_start": meta.replay_start, "lookback": meta.lookback_token_ids}
+
+    @property
+    def max_position(self) -> int:
+        return self.context - 1
+
+    def needs_pruning(self, window: int) -> bool:
+        return False
+
+    def group(self, layer_name: str) -> GroupView:
+        return self._views[layer_name]
+
+    def load(self, meta: DSV41StepMetadata, input_ids: torch.Tensor, n: int) -> None:
+        """Copy a padded step of the same batch into the buffers; ``input_ids[:n]`` are the real rows'
+        ids (on the model's device), padded rows get id 0."""
+        self.meta = meta
+        self.scratch.clear()
+        self.input_ids[:n].copy_(input_ids[:n])
+        self.input_ids[n:].zero_()
+        for key, t in self._fields(meta).items():
+            self._dev[key].copy_(t, non_blocking=True)
+        done: set[int] = set()
+        for name, g in meta.groups.items():
+            v = self._views[name]
+            if id(v) in done:
+                continue
+            done.add(id(v))
+            v.block_table_i32.copy_(g.block_table, non_blocking=True)
+            v.block_table.copy_(v.block_table_i32)
+            v.slot_mapping.copy_(g.slot_mapping, non_blocking=True)
+            if g.ring_block_ids is not None:
+                v.ring_block_ids.copy_(g.ring_block_ids, non_blocking=True)
+
+
+class DecodeGraphs:
+    """Captured decode steps keyed by (batch bucket, context bucket); ``run_model(step)`` is the model's
+    forward from a step to the final hidden states [num_tokens, H]."""
+
+    def __init__(self, run_model: Callable[[Step], torch.Tensor], max_batch: int, max_context: int):
+        self.run_model = run_model
+        self.max_batch = max_batch
+        self.max_context = max_context
+        self.pool = None
+        self.entries: dict[tuple[int, int], tuple[StaticStep, object, torch.Tensor]] = {}
+        self.entries_seen: set[tuple[int, int]] = set()  # every key run, captured or not
+
+    def accepts(self, meta: DSV41StepMetadata) -> bool:
+        return is_decode_step(meta, self.max_batch) and int(meta.positions.max()) < self.max_context
+
+    def key(self, meta: DSV41StepMetadata) -> tuple[int, int]:
+        ctx = min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
+        return _pow2_at_least(meta.num_reqs), ctx
+
+    def run(self, meta: DSV41StepMetadata, input_ids: torch.Tensor, device: torch.device,
+            capture: bool = True) -> torch.Tensor:
+        """Hidden states of the step's real rows.  ``capture=False`` runs the padded static step eagerly
+        (the CPU check of the padding)."""
+        n = meta.num_reqs
+        B, ctx = self.key(meta)
+        self.entries_seen.add((B, ctx))
+        padded = pad_decode_meta(meta, B)
+        entry = self.entries.get((B, ctx))
+        if entry is not None:
+            step, graph, out = entry
+            step.load(padded, input_ids, n)
+            graph.replay()
+            return out[:n]
+        step = StaticStep(padded, device, ctx)
+        step.load(padded, input_ids, n)
+        h = self.run_model(step)  # eager: this step's answer, and the warm-up before capture
+        if capture:
+            step.scratch.clear()
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self.run_model(step)
+            self.entries[(B, ctx)] = (step, graph, out)
+        return h[:n]
