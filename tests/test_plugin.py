@@ -22,6 +22,8 @@ m = ModelRegistry.models["DeepseekV41ForCausalLM"]
 print("MODULE", getattr(m, "module_name", type(m).__name__))
 print("CUDA_INIT", "torch.cuda" in sys.modules and __import__("torch").cuda.is_initialized())
 print("MLA_DISABLE", os.environ.get("VLLM_MLA_DISABLE"))
+from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+print("CONFIG_HOOK", MODELS_CONFIG_MAP["DeepseekV41ForCausalLM"].__module__)
 """
 
 
@@ -38,9 +40,28 @@ def test_register_replaces_builtin_and_is_idempotent():
     assert out["MODULE"] == "vllm_dsv41.model_executor.model"
     assert out["CUDA_INIT"] == "False"
     assert out["MLA_DISABLE"] == "1"
+    assert out["CONFIG_HOOK"] == "vllm_dsv41.engine_config"
 
 
 def test_disable_switch_keeps_builtin():
     out = _probe({"VLLM_DSV41_DISABLE": "1", "VLLM_PLUGINS": ""})
     assert out["MODULE"].startswith("vllm.models.deepseek_v41"), out
     assert out["MLA_DISABLE"] == "None"
+    assert out["CONFIG_HOOK"] != "vllm_dsv41.engine_config"
+
+
+def test_engine_settings_applied_by_the_config_hook(tiny_ckpt, monkeypatch):
+    """Asked for graphs and async scheduling, the engine config of a V4.1 checkpoint still comes out eager,
+    synchronous and on model runner V1 (engine_config.py says why)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_dsv41
+
+    vllm_dsv41.register()
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # recorded, so the hook's value is undone afterwards
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    cfg = EngineArgs(model=tiny_ckpt, enforce_eager=False, async_scheduling=True, dtype="float32",
+                     max_model_len=1024).create_engine_config()
+    assert cfg.model_config.enforce_eager is True
+    assert cfg.scheduler_config.async_scheduling is False
+    assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
