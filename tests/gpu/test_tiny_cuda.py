@@ -49,8 +49,8 @@ def _serve(tiny_ckpt, prompts, ops: str, monkeypatch):
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.setenv("VLLM_DSV41_OPS", ops)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=-1)
-    # A 1 GiB KV pool (as on CPU): the ops address the packed pool through flat views whose row count must
-    # fit their int32 slot lists (see CacheLayer.flat_rows); a whole-GPU pool would overflow them.
+    # A 1 GiB KV pool, as on CPU (the tiny model needs no more).  Decode steps run as captured CUDA graphs
+    # (graphs.py) with the ops path, so the comparison covers capture and replay too.
     with engine(tiny_ckpt, exact=True, logprobs_mode="raw_logits", max_logprobs=-1, async_scheduling=False,
                 kv_cache_memory_bytes=1 << 30) as llm:
         return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
