@@ -74,6 +74,17 @@ class DSV41StepMetadata:
     is_prefill: torch.Tensor  # [num_reqs] bool, still inside the prompt
     # Layer name -> metadata of the KV-cache group that layer belongs to.
     groups: dict[str, DSV41GroupMetadata] = field(default_factory=dict, repr=False)
+    _on: dict = field(default_factory=dict, repr=False)  # (name, device) -> copy, see ``on``
+
+    def on(self, name: str, device: torch.device) -> torch.Tensor:
+        """Per-token field ``positions`` / ``token_req_idx`` / ``replayed`` (the replayed-token mask) on
+        ``device``, copied once per step for all groups' builders."""
+        key = (name, str(device))
+        got = self._on.get(key)
+        if got is None:
+            t = self.replayed_token_mask() if name == "replayed" else getattr(self, name)
+            got = self._on[key] = t.to(device)
+        return got
 
     @property
     def query_lens(self) -> torch.Tensor:
@@ -102,13 +113,14 @@ class DSV41GroupMetadata:
     block_size: int  # original tokens per block (ring: capacity)
     tokens_per_state: int  # tokens per row (compressed ratio; 1 otherwise)
     rows_per_block: int
-    block_table: torch.Tensor  # [num_reqs, max_blocks] int32
+    # [num_reqs, max_blocks] int32, the runner's own table on its device (no host copy per step)
+    block_table: torch.Tensor
     # [num_tokens] int64 row each token writes, -1 = no write.  swa: the
     # token's own row; compressed: row of entry p // r, written only by the
     # token with (p + 1) % r == 0 and never for replayed tokens; ring: row
     # p % capacity of the request's ring block.
     slot_mapping: torch.Tensor
-    ring_block_ids: torch.Tensor | None  # [num_reqs] int32 (ring groups)
+    ring_block_ids: torch.Tensor | None  # [num_reqs] int32 (ring groups), on the table's device
     layer_names: list[str]
     step: DSV41StepMetadata = field(repr=False)
 
@@ -271,17 +283,18 @@ class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
                 info.step = step
 
         n, t = step.num_reqs, step.num_tokens
-        block_table = cm.block_table_tensor[:n].cpu()
+        block_table = cm.block_table_tensor[:n]  # stays on the runner's device
+        dev = block_table.device
         ring_block_ids = None
         if self.kind == "swa":
-            slot_mapping = cm.slot_mapping[:t].to("cpu", torch.int64)
+            slot_mapping = cm.slot_mapping[:t].to(torch.int64)
         elif self.kind == "compressed":
             slot_mapping = self._compressed_slots(step, block_table)
         else:
             ring_block_ids = block_table[:, 0].clone()
             cap = self.kv_cache_spec.block_size
-            ring = ring_block_ids.to(torch.int64)[step.token_req_idx]
-            slot_mapping = ring * cap + step.positions % cap
+            ring = ring_block_ids.to(torch.int64)[step.on("token_req_idx", dev)]
+            slot_mapping = ring * cap + step.on("positions", dev) % cap
             slot_mapping = torch.where(ring > 0, slot_mapping, PAD_SLOT)
 
         metadata = DSV41GroupMetadata(
@@ -306,14 +319,15 @@ class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
         row table[j // E] * E + j % E (E rows per block); replayed tokens and
         tokens of dummy rows write nothing."""
         r, e = self.tokens_per_state, self.rows_per_block
-        pos = step.positions
+        dev = block_table.device
+        pos = step.on("positions", dev)
         if pos.numel() == 0:
-            return torch.empty(0, dtype=torch.int64)
+            return torch.empty(0, dtype=torch.int64, device=dev)
         entry = pos // r
         col = (entry // e).clamp_(max=block_table.shape[1] - 1)
-        blocks = block_table.to(torch.int64)[step.token_req_idx, col]
+        blocks = block_table.to(torch.int64)[step.on("token_req_idx", dev), col]
         slots = blocks * e + entry % e
-        writes = ((pos + 1) % r == 0) & (blocks > 0) & ~step.replayed_token_mask()
+        writes = ((pos + 1) % r == 0) & (blocks > 0) & ~step.on("replayed", dev)
         return torch.where(writes, slots, PAD_SLOT)
 
 

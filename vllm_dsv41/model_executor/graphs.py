@@ -22,6 +22,7 @@ is exact: padded rows write nothing (slot -1), read block 0 and are discarded
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -29,6 +30,8 @@ import torch
 
 from vllm_dsv41.attention.backend import DSV41GroupMetadata, DSV41StepMetadata
 from vllm_dsv41.model_executor.step import GroupView, Step
+
+logger = logging.getLogger(__name__)
 
 GRAPH_ENV = "VLLM_DSV41_CUDAGRAPH"
 MIN_CONTEXT = 1024
@@ -61,7 +64,7 @@ def is_decode_step(meta: DSV41StepMetadata, max_batch: int) -> bool:
 def _pad(t: torch.Tensor, n: int, fill) -> torch.Tensor:
     if t.shape[0] == n:
         return t
-    pad = torch.full((n - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype)
+    pad = torch.full((n - t.shape[0], *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
     return torch.cat((t, pad))
 
 
@@ -131,8 +134,9 @@ class StaticStep(Step):
         return self._views[layer_name]
 
     def load(self, meta: DSV41StepMetadata, input_ids: torch.Tensor, n: int) -> None:
-        """Copy a padded step of the same batch into the buffers; ``input_ids[:n]`` are the real rows'
-        ids (on the model's device), padded rows get id 0."""
+        """Copy a padded step of the same batch into the buffers (step fields from the host, block tables
+        and slot mappings from the runner's device); ``input_ids[:n]`` are the real rows' ids (on the
+        model's device), padded rows get id 0."""
         self.meta = meta
         self.scratch.clear()
         self.input_ids[:n].copy_(input_ids[:n])
@@ -163,9 +167,11 @@ class DecodeGraphs:
         self.pool = None
         self.entries: dict[tuple[int, int], tuple[StaticStep, object, torch.Tensor]] = {}
         self.entries_seen: set[tuple[int, int]] = set()  # every key run, captured or not
+        self.failed: str | None = None  # why capture failed; decode steps then stay eager
 
     def accepts(self, meta: DSV41StepMetadata) -> bool:
-        return is_decode_step(meta, self.max_batch) and int(meta.positions.max()) < self.max_context
+        return (self.failed is None and is_decode_step(meta, self.max_batch)
+                and int(meta.positions.max()) < self.max_context)
 
     def key(self, meta: DSV41StepMetadata) -> tuple[int, int]:
         ctx = min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
@@ -189,11 +195,17 @@ class DecodeGraphs:
         step.load(padded, input_ids, n)
         h = self.run_model(step)  # eager: this step's answer, and the warm-up before capture
         if capture:
-            step.scratch.clear()
-            graph = torch.cuda.CUDAGraph()
-            if self.pool is None:
-                self.pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = self.run_model(step)
-            self.entries[(B, ctx)] = (step, graph, out)
+            try:
+                step.scratch.clear()
+                graph = torch.cuda.CUDAGraph()
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    out = self.run_model(step)
+                self.entries[(B, ctx)] = (step, graph, out)
+            except Exception as e:  # a capture-unsafe op: serve eagerly rather than fail the request
+                self.failed = f"{type(e).__name__}: {e}"
+                self.entries.clear()
+                logger.warning("vllm-dsv41: decode CUDA-graph capture failed (%s); decode steps run eagerly",
+                               self.failed)
         return h[:n]
