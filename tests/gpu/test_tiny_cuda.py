@@ -53,7 +53,12 @@ def _serve(tiny_ckpt, prompts, ops: str, monkeypatch):
     # (graphs.py) with the ops path, so the comparison covers capture and replay too.
     with engine(tiny_ckpt, exact=True, logprobs_mode="raw_logits", max_logprobs=-1, async_scheduling=False,
                 kv_cache_memory_bytes=1 << 30) as llm:
-        return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        graphs = llm.apply_model(lambda m: None if m._graphs is None else (m._graphs.failed, sorted(m._graphs.entries)))[0]
+    print(f"[{ops}] decode graphs (failure, captured keys): {graphs}")
+    if ops == "auto":  # the ops path captures its decode steps; a failure would silently test eager decode
+        assert graphs is not None and graphs[0] is None and graphs[1], graphs
+    return outs
 
 
 def _logit_rows(out, vocab: int) -> list[torch.Tensor]:
