@@ -146,14 +146,14 @@ class Attention(nn.Module):
 
     # -- cache writes (all rows whose KV this layer produces)
     def _write_swa(self, step: Step, tok: torch.Tensor, kv: torch.Tensor) -> None:
-        slots = step.group(self.swa_cache.prefix).slot_mapping[tok]
+        slots = step.take(step.group(self.swa_cache.prefix).slot_mapping, tok)
         self.swa_cache.write(slots, formats.encode_mxfp8_record(kv))
 
     def _partners(self, step: Step, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Ratio 2: the compressor row of position p-1 for every token (the partner of a closing
         token): the previous row of this step when it is that position of the same request, else
         the request's ring.  Read before this step's ring write.  [T, 2D]."""
-        pos, req = step.positions[tok], step.req_idx[tok]
+        pos, req = step.take(step.positions, tok), step.take(step.req_idx, tok)
         ring_md, cap = step.group(self.ring.prefix), self.ring.capacity
         t = torch.arange(tok.numel(), device=rows.device)
         before = (t - 1).clamp(min=0)
@@ -163,10 +163,10 @@ class Attention(nn.Module):
 
     def _ring_write(self, step: Step, tok: torch.Tensor, rows: torch.Tensor) -> None:
         """The ring keeps each request's last ``capacity`` positions of this step."""
-        pos, req = step.positions[tok], step.req_idx[tok]
+        pos, req = step.take(step.positions, tok), step.take(step.req_idx, tok)
         last = step.seq_lens[req] - 1
         keep = pos > last - self.ring.capacity
-        slots = step.group(self.ring.prefix).slot_mapping[tok]
+        slots = step.take(step.group(self.ring.prefix).slot_mapping, tok)
         self.ring.write(torch.where(keep, slots, torch.full_like(slots, -1)), rows)
 
     def _compress(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
@@ -209,9 +209,9 @@ class Attention(nn.Module):
             self._ring_write(step, tok, kv_score)
         else:
             kv_score = kv_c
-        comp_slots = self.comp_cache.flat_slots(step.group(self.comp_cache.prefix).slot_mapping[tok])
-        idx_slots = self.index_cache.flat_slots(step.group(self.index_cache.prefix).slot_mapping[tok])
-        _ops().compress_insert(kv_score, prev, step.positions[tok], r, self.compressor.norm.weight,
+        comp_slots = self.comp_cache.flat_slots(step.take(step.group(self.comp_cache.prefix).slot_mapping, tok))
+        idx_slots = self.index_cache.flat_slots(step.take(step.group(self.index_cache.prefix).slot_mapping, tok))
+        _ops().compress_insert(kv_score, prev, step.take(step.positions, tok), r, self.compressor.norm.weight,
                                self.indexer.wk.weight, self.indexer.k_norm.weight, self.eps, self.inv_freq,
                                comp_slots, idx_slots, self.comp_cache.flat_rows()[0],
                                self.index_cache.flat_rows()[0])
@@ -313,7 +313,7 @@ class Attention(nn.Module):
                     xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """All rows at once through ``dsv41::sparse_attn`` (inverse RoPE included)."""
         cfg, plan = self.cfg, self.plan
-        pos, req = step.positions[out_tok], step.req_idx[out_tok]
+        pos, req = step.take(step.positions, out_tok), step.take(step.req_idx, out_tok)
         comp_cache = comp_slots = None
         if plan.compress_ratio > 0:
             if plan.owns_indexer:
@@ -338,13 +338,14 @@ class Attention(nn.Module):
         D = cfg.head_dim
         qr_all = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
         kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = apply_rope(kv, step.positions[tok], self.inv_freq)
+        kv = apply_rope(kv, step.take(step.positions, tok), self.inv_freq)
         self._write_swa(step, tok, kv)
         if plan.owns_compressor:
             (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
-        out_tok = tok[rows]
-        xr, qr = x[rows], qr_all[rows]
-        q = apply_rope(self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.positions[out_tok], self.inv_freq)
+        out_tok = step.take(tok, rows)
+        xr, qr = step.take(x, rows), step.take(qr_all, rows)
+        q = apply_rope(self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.take(step.positions, out_tok),
+                       self.inv_freq)
         attend = self._attend_ops if step.use_ops else self._attend_torch
         o = attend(model, step, q, out_tok, xr, qr, floors)
         z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))
@@ -482,8 +483,9 @@ class DecoderLayer(nn.Module):
         x, pre_a, post_a, comb_a = ops.mhc_pre(S, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, pre,
                                                self.attn_norm.weight, *args)
         y = self.attn(model, step, x, tok, rows, floors)
-        S, x, pre_f, post_f, comb_f = ops.mhc_post_pre(S[rows], y, post_a[rows], comb_a[rows], self.hc_ffn_fn,
-                                                       self.hc_ffn_base, self.hc_ffn_scale, pre_a[rows],
+        S, x, pre_f, post_f, comb_f = ops.mhc_post_pre(step.take(S, rows), y, step.take(post_a, rows),
+                                                       step.take(comb_a, rows), self.hc_ffn_fn,
+                                                       self.hc_ffn_base, self.hc_ffn_scale, step.take(pre_a, rows),
                                                        self.ffn_norm.weight, *args)
         return ops.mhc_post(S, self.ffn(x, ops=True), post_f, comb_f), pre_f
 
@@ -496,7 +498,7 @@ def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
     """
     T = step.num_tokens
     if not enabled:
-        return torch.arange(T, device=step.device)
+        return step.all_rows(T)
     qsl = step.query_start_loc_cpu.tolist()
     keep = [torch.arange(max(qsl[i], qsl[i + 1] - window), qsl[i + 1]) for i in range(step.num_reqs)]
     return (torch.cat(keep) if keep else torch.arange(0)).to(step.device)
@@ -560,7 +562,7 @@ class DeepseekV41Model(nn.Module):
         cfg = self.cfg
         T = S.shape[0]
         dev = S.device
-        tok = torch.arange(T, device=dev)
+        tok = step.all_rows(T)
         pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0
         kept = decoder_rows(step, cfg.sliding_window, self.prune and step.needs_pruning(cfg.sliding_window))
@@ -568,15 +570,15 @@ class DeepseekV41Model(nn.Module):
         for L, layer in enumerate(self.layers):
             plan = layer.plan
             if plan.has_engram:
-                S = layer.engram(S, self.engram_rows(step, L)[tok])
-            rows = torch.arange(tok.numel(), device=dev)
+                S = layer.engram(S, step.take(self.engram_rows(step, L), tok))
+            rows = step.all_rows(tok.numel())
             floors = base_floor
             if kept.numel() < T and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
             elif kept.numel() < T and plan.is_decoder:
                 floors = torch.maximum(base_floor, step.seq_lens - cfg.sliding_window)
             S, pre = layer(self, step, S, pre, tok, rows, floors)
-            tok = tok[rows]
+            tok = step.take(tok, rows)
         return S, pre, tok
 
 

@@ -63,6 +63,19 @@ class Step:
     scratch: dict = field(default_factory=dict)  # per-step results shared across layers
     _dev: dict = field(default_factory=dict, repr=False)  # cached device copies of metadata
     _groups: dict = field(default_factory=dict, repr=False)  # id(group metadata) -> GroupView
+    _aranges: dict = field(default_factory=dict, repr=False)  # n -> arange(n), see all_rows / take
+
+    def all_rows(self, n: int) -> torch.Tensor:
+        """``arange(n)`` on the step's device, one object per length: indexing a length-n tensor with it
+        is the identity, which :meth:`take` skips (decode steps and unpruned prefill select all rows)."""
+        got = self._aranges.get(n)
+        if got is None:
+            got = self._aranges[n] = torch.arange(n, device=self.device)
+        return got
+
+    def take(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """``t[idx]`` along dim 0, without a gather when ``idx`` is :meth:`all_rows` of ``t``'s length."""
+        return t if idx is self._aranges.get(t.shape[0]) else t[idx]
 
     def _on_device(self, key: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         got = self._dev.get(key)
