@@ -43,7 +43,7 @@ from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficients, hc_collapse, hc_post,
-                                        index_scores, rms_norm, rope_inv_freq, route, sparse_attention,
+                                        index_scores, rms_norm, rope_cos_sin, rope_inv_freq, route, sparse_attention,
                                         topk_select)
 
 EXACT_ENV = "VLLM_DSV41_EXACT"
@@ -284,7 +284,7 @@ class Attention(nn.Module):
         n_max = (step.max_position + 1) // r  # host bound, >= every row's n_vis (extra columns are -inf)
         src = model.attn_of(plan.kv_source)
         qi = self.indexer.wq_b(qr).view(-1, cfg.index_n_heads, cfg.index_head_dim)
-        qi = apply_rope(qi, pos, self.inv_freq)
+        qi = self._rope(step, qi, pos)
         w = self.indexer.weights_proj(x) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
         cache, table, rows_per_block = model.index_view(step, src, n_max)
         scores = ops.index_scores(qi, w, cache, table, rows_per_block, req.to(torch.int32), n_vis, n_max)
@@ -330,6 +330,17 @@ class Attention(nn.Module):
                                   comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
                                   self.inv_freq)
 
+    def _rope(self, step: Step, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``apply_rope``; over the step's own positions the cos/sin are computed once per step and RoPE
+        setting and shared by every layer (the same values, so the same bits)."""
+        cs = None
+        if pos is step.positions:
+            key = ("rope", self.plan.rope)
+            cs = step.scratch.get(key)
+            if cs is None:
+                cs = step.scratch[key] = rope_cos_sin(pos, self.inv_freq)
+        return apply_rope(x, pos, self.inv_freq, cos_sin=cs)
+
     def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
                 rows: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """x [len(tok), H] for the step tokens ``tok``; KV is written for all of them, attention output
@@ -338,14 +349,13 @@ class Attention(nn.Module):
         D = cfg.head_dim
         qr_all = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
         kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = apply_rope(kv, step.take(step.positions, tok), self.inv_freq)
+        kv = self._rope(step, kv, step.take(step.positions, tok))
         self._write_swa(step, tok, kv)
         if plan.owns_compressor:
             (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
         out_tok = step.take(tok, rows)
         xr, qr = step.take(x, rows), step.take(qr_all, rows)
-        q = apply_rope(self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.take(step.positions, out_tok),
-                       self.inv_freq)
+        q = self._rope(step, self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.take(step.positions, out_tok))
         attend = self._attend_ops if step.use_ops else self._attend_torch
         o = attend(model, step, q, out_tok, xr, qr, floors)
         z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))

@@ -53,11 +53,18 @@ def rope_inv_freq(rope: RopeParams, dim: int) -> torch.Tensor:
     return inv.float()
 
 
-def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """GPT-J (interleaved pairs) rotation of the last ``2*len(inv_freq)`` dims of x [T, ..., d]."""
-    R = inv_freq.numel() * 2
+def rope_cos_sin(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, R/2] (fp32, angles in float64) of positions ``pos``."""
     ang = pos.double()[:, None] * inv_freq.double()[None, :]  # [T, R/2]
-    cos, sin = ang.cos().float(), ang.sin().float()
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False,
+               cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """GPT-J (interleaved pairs) rotation of the last ``2*len(inv_freq)`` dims of x [T, ..., d].
+    ``cos_sin``: :func:`rope_cos_sin` of ``pos``, when the caller already has it."""
+    R = inv_freq.numel() * 2
+    cos, sin = cos_sin if cos_sin is not None else rope_cos_sin(pos, inv_freq)
     if inverse:
         sin = -sin
     shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (R // 2,)
