@@ -76,3 +76,13 @@ def test_marlin_mxfp4_moe(T):
     clamped = (x.to(torch.bfloat16).float() @ experts[int(idx[0, 0])].weight("w1").t()).abs().max().item()
     print(f"marlin mxfp4 moe T={T}: rel err {err:.2e} (largest gate pre-activation {clamped:.1f}, limit {limit})")
     assert err < REL_TOL
+
+
+def test_fused_rms_norm_cuda():
+    from vllm_dsv41.model_executor.linear import fused_rms_norm
+    from vllm_dsv41.reference.model import rms_norm
+
+    x, w = torch.randn(64, 1280, device="cuda") * 3, torch.rand(1280, device="cuda")
+    err = (fused_rms_norm(x, w, 1e-20) - rms_norm(x, w, 1e-20)).abs().max().item()
+    print(f"fused rms_norm (vLLM _C) vs reference: max |diff| {err:.2e}")
+    assert err < 1e-4

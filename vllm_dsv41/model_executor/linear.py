@@ -53,6 +53,7 @@ class WeightFormat:
 
     quant: bool
     dense_dtype: torch.dtype
+    cuda_fast: bool = False  # quantised on CUDA: vLLM's fused kernels (Marlin, rms_norm) replace references
 
     @staticmethod
     def choose(exact: bool) -> "WeightFormat":
@@ -60,7 +61,19 @@ class WeightFormat:
 
         on_cuda = current_platform.is_cuda()
         quant = weights_mode(exact, on_cuda) == "quant"
-        return WeightFormat(quant, torch.bfloat16 if quant and on_cuda else torch.float32)
+        fast = quant and on_cuda
+        return WeightFormat(quant, torch.bfloat16 if fast else torch.float32, fast)
+
+
+def fused_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM's one-kernel RMSNorm (``_C.rms_norm``; fp32 statistics) for the fast CUDA path; the
+    reference ``rms_norm`` takes five kernels."""
+    from vllm import _custom_ops
+
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _custom_ops.rms_norm(out, x, w.to(x.dtype), eps)
+    return out
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -37,8 +37,8 @@ from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
-from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, loop_moe, marlin_expert_stack,
-                                              marlin_moe)
+from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fused_rms_norm, loop_moe,
+                                              marlin_expert_stack, marlin_moe)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -133,6 +133,7 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, plan, wf)
         self.register_buffer("inv_freq", rope_inv_freq(plan.rope, cfg.qk_rope_head_dim), persistent=False)
         self.eps = float(cfg.rms_norm_eps)
+        self.norm = fused_rms_norm if wf.cuda_fast else rms_norm
         # engine caches (not parameters): registered in vLLM's forward context by prefix
         self.swa_cache = caches.SWACache(f"{prefix}.swa_cache", D, cfg.sliding_window,
                                          bounded_replay=bounded_replay)
@@ -347,8 +348,8 @@ class Attention(nn.Module):
         is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
-        qr_all = rms_norm(self.wq_a(x), self.q_norm.weight, self.eps)
-        kv = rms_norm(self.wkv(x), self.kv_norm.weight, self.eps)
+        qr_all = self.norm(self.wq_a(x), self.q_norm.weight, self.eps)
+        kv = self.norm(self.wkv(x), self.kv_norm.weight, self.eps)
         kv = self._rope(step, kv, step.take(step.positions, tok))
         self._write_swa(step, tok, kv)
         if plan.owns_compressor:
