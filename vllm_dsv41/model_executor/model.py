@@ -199,6 +199,18 @@ class Attention(nn.Module):
         idx_slots = step.group(self.index_cache.prefix).slot_mapping[tok[ci]]
         self.index_cache.write(idx_slots, formats.encode_mxfp4_record(k_idx))
 
+    def _write_slots(self, step: Step, cache: caches.CompressedCache, tok: torch.Tensor) -> torch.Tensor:
+        """Flat rows the step's tokens ``tok`` write in ``cache`` (-1 = none); over all rows, shared by the
+        compressor layers of one group and cache geometry."""
+        g = step.group(cache.prefix)
+        key = ("write_slots", id(g), cache.flat_rows()[1:]) if tok is step.all_rows(step.num_tokens) else None
+        got = step.scratch.get(key) if key is not None else None
+        if got is None:
+            got = cache.flat_slots(step.take(g.slot_mapping, tok))
+            if key is not None:
+                step.scratch[key] = got
+        return got
+
     def _compress_ops(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
         """``_compress`` through ``dsv41::compress_insert`` (pooling, norms, RoPE, records, writes)."""
         r = self.plan.compress_ratio
@@ -210,8 +222,8 @@ class Attention(nn.Module):
             self._ring_write(step, tok, kv_score)
         else:
             kv_score = kv_c
-        comp_slots = self.comp_cache.flat_slots(step.take(step.group(self.comp_cache.prefix).slot_mapping, tok))
-        idx_slots = self.index_cache.flat_slots(step.take(step.group(self.index_cache.prefix).slot_mapping, tok))
+        comp_slots = self._write_slots(step, self.comp_cache, tok)
+        idx_slots = self._write_slots(step, self.index_cache, tok)
         _ops().compress_insert(kv_score, prev, step.take(step.positions, tok), r, self.compressor.norm.weight,
                                self.indexer.wk.weight, self.indexer.k_norm.weight, self.eps, self.inv_freq,
                                comp_slots, idx_slots, self.comp_cache.flat_rows()[0],
@@ -304,11 +316,20 @@ class Attention(nn.Module):
     def _swa_slots(self, step: Step, pos: torch.Tensor, req: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """SWA keys of every row: positions max(p - W + 1, floor, 0) .. p, as rows of the flat SWA
         cache view, -1 padded.  [R, W] int64 (a large pool's flat rows pass 2^31)."""
+        g = step.group(self.swa_cache.prefix)
+        key = None
+        if pos is step.positions and floors is step.replay_start:  # the same lists for every layer of the group
+            key = ("swa_slots", id(g), self.swa_cache.flat_rows()[1:])
+            got = step.scratch.get(key)
+            if got is not None:
+                return got
         W = self.cfg.sliding_window
         kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
         kp = torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
-        slots = step.group(self.swa_cache.prefix).slots_of(req, kp)
-        return self.swa_cache.flat_slots(slots)
+        slots = self.swa_cache.flat_slots(g.slots_of(req, kp))
+        if key is not None:
+            step.scratch[key] = slots
+        return slots
 
     def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
                     xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
