@@ -75,7 +75,7 @@ def use_ops(mode: str, device: torch.device) -> bool:
 
 def _ops():
     """``torch.ops.dsv41`` with every op of the package registered."""
-    from vllm_dsv41.ops import compressor, indexer, mhc, router, sparse_attn, topk  # noqa: F401
+    from vllm_dsv41.ops import compressor, indexer, mhc, router, sparse_attn, swa_insert, topk  # noqa: F401
 
     return torch.ops.dsv41
 
@@ -199,9 +199,9 @@ class Attention(nn.Module):
         idx_slots = step.group(self.index_cache.prefix).slot_mapping[tok[ci]]
         self.index_cache.write(idx_slots, formats.encode_mxfp4_record(k_idx))
 
-    def _write_slots(self, step: Step, cache: caches.CompressedCache, tok: torch.Tensor) -> torch.Tensor:
+    def _write_slots(self, step: Step, cache: caches.DSV41CacheLayer, tok: torch.Tensor) -> torch.Tensor:
         """Flat rows the step's tokens ``tok`` write in ``cache`` (-1 = none); over all rows, shared by the
-        compressor layers of one group and cache geometry."""
+        layers of one group and cache geometry."""
         g = step.group(cache.prefix)
         key = ("write_slots", id(g), cache.flat_rows()[1:]) if tok is step.all_rows(step.num_tokens) else None
         got = step.scratch.get(key) if key is not None else None
@@ -370,9 +370,13 @@ class Attention(nn.Module):
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
         qr_all = self.norm(self.wq_a(x), self.q_norm.weight, self.eps)
-        kv = self.norm(self.wkv(x), self.kv_norm.weight, self.eps)
-        kv = self._rope(step, kv, step.take(step.positions, tok))
-        self._write_swa(step, tok, kv)
+        if step.use_ops:  # norm, RoPE, MXFP8 record and write in one op
+            _ops().swa_insert(self.wkv(x), self.kv_norm.weight, self.eps, step.take(step.positions, tok),
+                              self.inv_freq, self._write_slots(step, self.swa_cache, tok),
+                              self.swa_cache.flat_rows()[0])
+        else:
+            kv = self.norm(self.wkv(x), self.kv_norm.weight, self.eps)
+            self._write_swa(step, tok, self._rope(step, kv, step.take(step.positions, tok)))
         if plan.owns_compressor:
             (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
         out_tok = step.take(tok, rows)
