@@ -75,7 +75,7 @@ def use_ops(mode: str, device: torch.device) -> bool:
 
 def _ops():
     """``torch.ops.dsv41`` with every op of the package registered."""
-    from vllm_dsv41.ops import compressor, indexer, mhc, router, sparse_attn, swa_insert, topk  # noqa: F401
+    from vllm_dsv41.ops import compressor, indexer, mhc, rope, router, sparse_attn, swa_insert, topk  # noqa: F401
 
     return torch.ops.dsv41
 
@@ -353,8 +353,10 @@ class Attention(nn.Module):
                                   self.inv_freq)
 
     def _rope(self, step: Step, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """``apply_rope``; over the step's own positions the cos/sin are computed once per step and RoPE
-        setting and shared by every layer (the same values, so the same bits)."""
+        """``apply_rope`` (``dsv41::rope`` on the ops path); on the plain path over the step's own positions
+        the cos/sin are computed once per step and RoPE setting and shared by every layer (same bits)."""
+        if step.use_ops:
+            return _ops().rope(x, pos, self.inv_freq)
         cs = None
         if pos is step.positions:
             key = ("rope", self.plan.rope)

@@ -1,0 +1,60 @@
+"""``dsv41::rope`` against ``reference.model.apply_rope`` (the CPU op is the reference; the Triton kernel in the
+interpreter on CPU and compiled on CUDA).  ``python -m tests.ops.test_rope --interpret`` is the interpreter run."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
+from vllm_dsv41.config import RopeParams
+from vllm_dsv41.reference.model import apply_rope, rope_inv_freq
+
+
+def make_case(T: int, H: int, D: int, R: int, start: int, device: str = "cpu"):
+    g = torch.Generator().manual_seed(T + D)
+    x = torch.randn(T, H, D, generator=g) * 3
+    pos = torch.randint(start, start + 8192, (T,), generator=g)
+    inv = rope_inv_freq(RopeParams(theta=10000.0, yarn_factor=16.0, original_max_position=65536), R)
+    return x.to(device), pos.to(device), inv.to(device)
+
+
+def test_cpu_op_is_the_reference():
+    import vllm_dsv41.ops.rope  # noqa: F401
+
+    x, pos, inv = make_case(5, 3, 64, 16, 0)
+    assert torch.equal(torch.ops.dsv41.rope(x, pos, inv), apply_rope(x, pos, inv))
+
+
+def _kernel_vs_ref(T, H, D, R, start, device):
+    from vllm_dsv41.ops.rope import _rope_triton
+
+    x, pos, inv = make_case(T, H, D, R, start, device)
+    got = _rope_triton(x, pos, inv)
+    ref = apply_rope(x.cpu(), pos.cpu(), inv.cpu())
+    assert torch.equal(got.cpu()[..., : D - R], x.cpu()[..., : D - R]), "NoPE dims changed"
+    assert_close(f"rope T={T} H={H} D={D} R={R} start={start}", ref, got.cpu(), ratio=1e-5)
+
+
+def _interpreter_main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
+    _kernel_vs_ref(7, 4, 64, 16, 0, "cpu")
+    _kernel_vs_ref(3, 2, 512, 64, 60000, "cpu")
+    return 0
+
+
+def test_triton_interpreter():
+    run_under_interpreter(["-m", "tests.ops.test_rope", "--interpret"])
+
+
+@requires_cuda
+@pytest.mark.parametrize("T,H", [(1, 64), (64, 64), (4096, 64), (64, 32)])
+def test_cuda_real_sizes(T, H):
+    _kernel_vs_ref(T, H, 512 if H == 64 else 128, 64, 1_000_000 - 9000, "cuda")
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    sys.exit(_interpreter_main())
