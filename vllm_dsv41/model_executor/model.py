@@ -326,7 +326,7 @@ class Attention(nn.Module):
         W = self.cfg.sliding_window
         kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
         kp = torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
-        slots = self.swa_cache.flat_slots(g.slots_of(req, kp))
+        slots = g.slots_of(req, kp, self.swa_cache.flat_rows()[1:])
         if key is not None:
             step.scratch[key] = slots
         return slots
@@ -345,8 +345,8 @@ class Attention(nn.Module):
             comp_slots = step.scratch.get(key)
             if comp_slots is None:
                 ent = step.scratch[("topk_ids", plan.index_source)]
-                slots = step.group(src.comp_cache.prefix).slots_of(req, ent)
-                comp_slots = step.scratch[key] = src.comp_cache.flat_slots(slots)
+                comp_slots = step.scratch[key] = step.group(src.comp_cache.prefix).slots_of(
+                    req, ent, src.comp_cache.flat_rows()[1:])
             comp_cache = src.comp_cache.flat_rows()[0]
         return _ops().sparse_attn(q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors),
                                   comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
@@ -593,7 +593,7 @@ class DeepseekV41Model(nn.Module):
         if table is None:
             ent = torch.arange(n_max, device=step.device).expand(step.num_reqs, n_max)
             req = torch.arange(step.num_reqs, device=step.device)
-            table = step.scratch[key] = cache.flat_slots(g.slots_of(req, ent))
+            table = step.scratch[key] = g.slots_of(req, ent, (bstep, rstep))
         return flat, table, 1
 
     def forward(self, step: Step, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

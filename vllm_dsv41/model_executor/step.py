@@ -42,16 +42,18 @@ class GroupView:
         entries = entries.to(torch.int64)
         return self.block_table[req_idx][entries // e] * e + entries % e
 
-    def slots_of(self, req: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    def slots_of(self, req: torch.Tensor, entries: torch.Tensor, flat: tuple[int, int] | None = None) -> torch.Tensor:
         """Batched form: ``req`` [R] request of each row, ``entries`` [R, K] (-1 = none) -> slots
-        [R, K] int64, -1 where the entry is -1."""
+        [R, K] int64, -1 where the entry is -1.  ``flat = (bstep, rstep)``: rows of the cache's flat view
+        instead (``CacheLayer.flat_slots`` of the slots, computed in the same pass)."""
         e = self.rows_per_block
         ent = entries.to(torch.int64)
         valid = ent >= 0
         ent = ent.clamp(min=0)
         col = (ent // e).clamp(max=self.block_table.shape[1] - 1)
         blocks = self.block_table[req[:, None], col]
-        return torch.where(valid, blocks * e + ent % e, torch.full_like(ent, -1))
+        bstep, rstep = flat if flat is not None else (e, 1)
+        return torch.where(valid, blocks * bstep + (ent % e) * rstep, -1)
 
 
 @dataclass
