@@ -45,15 +45,12 @@ class GroupView:
     def slots_of(self, req: torch.Tensor, entries: torch.Tensor, flat: tuple[int, int] | None = None) -> torch.Tensor:
         """Batched form: ``req`` [R] request of each row, ``entries`` [R, K] (-1 = none) -> slots
         [R, K] int64, -1 where the entry is -1.  ``flat = (bstep, rstep)``: rows of the cache's flat view
-        instead (``CacheLayer.flat_slots`` of the slots, computed in the same pass)."""
+        instead (``CacheLayer.flat_slots`` of the slots, in the same pass).  One ``dsv41::paged_rows``."""
+        from vllm_dsv41.ops.paged_rows import paged_rows
+
         e = self.rows_per_block
-        ent = entries.to(torch.int64)
-        valid = ent >= 0
-        ent = ent.clamp(min=0)
-        col = (ent // e).clamp(max=self.block_table.shape[1] - 1)
-        blocks = self.block_table[req[:, None], col]
         bstep, rstep = flat if flat is not None else (e, 1)
-        return torch.where(valid, blocks * bstep + (ent % e) * rstep, -1)
+        return paged_rows(self.block_table_i32, req, entries, e, bstep, rstep)
 
 
 @dataclass
