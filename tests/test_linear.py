@@ -42,3 +42,24 @@ def test_weights_mode(monkeypatch):
     monkeypatch.setenv("VLLM_DSV41_WEIGHTS", "fp4")
     with pytest.raises(ValueError, match="VLLM_DSV41_WEIGHTS"):
         weights_mode(exact=False, on_cuda=True)
+
+
+def test_concat_rows_keeps_each_parts_rows_and_scales():
+    from vllm_dsv41.model_executor.linear import can_fuse_on_cuda, concat_rows
+
+    g = torch.Generator().manual_seed(2)
+    parts = []
+    for N in (64, 32):
+        w, s = formats.quant_fp8_block(torch.randn(N, 96, generator=g), 32)
+        p = QuantLinear(N, 96, quant=True)
+        p.weight.data.copy_(w)
+        p.scale.data.copy_(formats.as_uint8(s))
+        parts.append(p)
+    both = concat_rows(*parts)
+    assert torch.equal(both.dequantized(), torch.cat([p.dequantized() for p in parts]))
+    assert not can_fuse_on_cuda(*parts)  # CPU: the parts stay as they are
+    parts[0].retire()
+    parts[0].finalize()  # a retired part does nothing
+    assert not hasattr(parts[0], "weight")
+    with pytest.raises(ValueError, match="concat_rows"):
+        concat_rows(QuantLinear(48, 96, quant=True), parts[1])

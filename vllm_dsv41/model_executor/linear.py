@@ -163,7 +163,7 @@ class QuantLinear(nn.Module):
 
     def finalize(self) -> None:
         """After loading: repack for Marlin when the weight lives on CUDA."""
-        if not self.quant or self.weight.device.type != "cuda":
+        if not self.quant or getattr(self, "retired", False) or self.weight.device.type != "cuda":
             return
         rows = self.out_features // self.groups
         if rows % 32:
@@ -172,6 +172,13 @@ class QuantLinear(nn.Module):
                                     self.scale.data[g * rows // 32:(g + 1) * rows // 32])
                        for g in range(self.groups)]
         del self.weight, self.scale  # the repacked copies replace them
+
+    def retire(self) -> None:
+        """Its rows now live in a :func:`concat_rows` layer: free them (``finalize`` then does nothing)."""
+        self.retired = True
+        for name in ("weight", "scale"):
+            if hasattr(self, name):
+                delattr(self, name)
 
     def _marlin_gemm(self, x: torch.Tensor, g: int) -> torch.Tensor:
         from vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 import apply_mxfp8_marlin_linear
@@ -193,6 +200,25 @@ class QuantLinear(nn.Module):
         if G == 1:
             return x @ w.t()
         return torch.einsum("tgk,gok->tgo", x, w.view(G, self.out_features // G, self.in_features))
+
+
+def concat_rows(*parts: QuantLinear) -> QuantLinear:
+    """One quantised linear whose output rows are the parts' rows in order (layers that read the same input:
+    one GEMM instead of several).  Each part's rows must fill whole 32-row tiles."""
+    K = parts[0].in_features
+    for p in parts:
+        if not p.quant or p.groups != 1 or p.in_features != K or p.out_features % 32:
+            raise ValueError("concat_rows: quantised, ungrouped parts of one input width and 32-row multiples")
+    out = QuantLinear(sum(p.out_features for p in parts), K, quant=True)
+    out.weight = _frozen(torch.cat([p.weight.data for p in parts]))
+    out.scale = _frozen(torch.cat([p.scale.data for p in parts]))
+    return out
+
+
+def can_fuse_on_cuda(*parts: QuantLinear) -> bool:
+    """The fast CUDA path, before the parts' own finalize: quantised, on CUDA, whole 32-row tiles."""
+    return all(p.quant and not getattr(p, "retired", False) and p.weight.device.type == "cuda"
+               and p.groups == 1 and p.out_features % 32 == 0 for p in parts)
 
 
 class Expert(nn.Module):

@@ -37,8 +37,8 @@ from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
-from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fused_rms_norm, loop_moe,
-                                              marlin_expert_stack, marlin_moe)
+from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, can_fuse_on_cuda,
+                                              concat_rows, fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -127,6 +127,7 @@ class Attention(nn.Module):
         self.wo_a = QuantLinear(cfg.o_groups * cfg.o_lora_rank, cfg.heads_per_group * D, q, groups=cfg.o_groups)
         self.wo_b = QuantLinear(H, cfg.o_groups * cfg.o_lora_rank, q)
         self.attn_sink = _param(cfg.num_attention_heads)
+        self.wqkv_a: QuantLinear | None = None  # [wq_a; wkv] as one GEMM (fast CUDA path, see finalize)
         if plan.owns_compressor:
             self.compressor = Compressor(cfg, plan, wf)
         if plan.owns_indexer:
@@ -144,6 +145,22 @@ class Attention(nn.Module):
                                                       COMPRESSED_BLOCK_SIZE, index=True)
             if r == 2:
                 self.ring = caches.CompressorRing(f"{prefix}.compressor.state_cache", D)
+
+    def finalize(self) -> None:
+        """After loading, before the children's own repack: on the fast CUDA path wq_a and wkv, which read
+        the same input, become one Marlin GEMM."""
+        if can_fuse_on_cuda(self.wq_a, self.wkv):
+            self.wqkv_a = concat_rows(self.wq_a, self.wkv)
+            self.wqkv_a.finalize()
+            self.wq_a.retire()
+            self.wkv.retire()
+
+    def _qkv_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ wq_a^T, x @ wkv^T)."""
+        if self.wqkv_a is None:
+            return self.wq_a(x), self.wkv(x)
+        y = self.wqkv_a(x)
+        return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:]
 
     # -- cache writes (all rows whose KV this layer produces)
     def _write_swa(self, step: Step, tok: torch.Tensor, kv: torch.Tensor) -> None:
@@ -371,13 +388,14 @@ class Attention(nn.Module):
         is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
-        qr_all = self.norm(self.wq_a(x), self.q_norm.weight, self.eps)
+        qa, kv_raw = self._qkv_a(x)
+        qr_all = self.norm(qa, self.q_norm.weight, self.eps)
         if step.use_ops:  # norm, RoPE, MXFP8 record and write in one op
-            _ops().swa_insert(self.wkv(x), self.kv_norm.weight, self.eps, step.take(step.positions, tok),
+            _ops().swa_insert(kv_raw, self.kv_norm.weight, self.eps, step.take(step.positions, tok),
                               self.inv_freq, self._write_slots(step, self.swa_cache, tok),
                               self.swa_cache.flat_rows()[0])
         else:
-            kv = self.norm(self.wkv(x), self.kv_norm.weight, self.eps)
+            kv = self.norm(kv_raw, self.kv_norm.weight, self.eps)
             self._write_swa(step, tok, self._rope(step, kv, step.take(step.positions, tok)))
         if plan.owns_compressor:
             (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
@@ -399,13 +417,24 @@ class SharedExpert(nn.Module):
         self.w1 = QuantLinear(inter, hidden, quant)
         self.w3 = QuantLinear(inter, hidden, quant)
         self.w2 = QuantLinear(hidden, inter, quant)
-        self.limit = limit
+        self.w13: QuantLinear | None = None  # [w1; w3] as one GEMM (fast CUDA path)
+        self.inter, self.limit = inter, limit
+
+    def finalize(self) -> None:
+        if can_fuse_on_cuda(self.w1, self.w3):
+            self.w13 = concat_rows(self.w1, self.w3)
+            self.w13.finalize()
+            self.w1.retire()
+            self.w3.retire()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of ``swiglu_clamped`` over this expert's FP8 weights."""
-        a = self.w1(x).clamp(max=self.limit)
-        b = self.w3(x).clamp(-self.limit, self.limit)
-        return self.w2(torch.nn.functional.silu(a) * b)
+        if self.w13 is None:
+            a, b = self.w1(x), self.w3(x)
+        else:
+            y = self.w13(x)
+            a, b = y[:, : self.inter], y[:, self.inter:]
+        return self.w2(torch.nn.functional.silu(a.clamp(max=self.limit)) * b.clamp(-self.limit, self.limit))
 
 
 class Gate(nn.Module):
