@@ -63,3 +63,25 @@ def test_concat_rows_keeps_each_parts_rows_and_scales():
     assert not hasattr(parts[0], "weight")
     with pytest.raises(ValueError, match="concat_rows"):
         concat_rows(QuantLinear(48, 96, quant=True), parts[1])
+
+
+def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path):
+    """The profile run's activation reservation (model.activation_bytes): linear in the step's tokens, growing
+    with the context (the indexer's score rows), ~12 GiB for an 8k-token step of the bench config at 66k."""
+    import types
+
+    from vllm_dsv41.config import load_config
+    from vllm_dsv41.model_executor.model import DeepseekV41ForCausalLM
+    from vllm_dsv41.tools.make_checkpoint import make_checkpoint
+
+    make_checkpoint(str(tmp_path), preset="bench", no_engram=True)
+    cfg = load_config(str(tmp_path))
+
+    def est(T, ctx):
+        fake = types.SimpleNamespace(cfg=cfg, vllm_config=types.SimpleNamespace(
+            model_config=types.SimpleNamespace(max_model_len=ctx)))
+        return DeepseekV41ForCausalLM.activation_bytes(fake, T)
+
+    assert est(8192, 66560) == 4 * est(2048, 66560)
+    assert est(8192, 131072) > est(8192, 66560)
+    assert 8 * 2**30 < est(8192, 66560) < 16 * 2**30

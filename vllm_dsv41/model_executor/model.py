@@ -698,6 +698,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         meta = current_step()
         out = torch.zeros(T, cfg.hidden_size, dtype=torch.float32, device=dev)
         if meta is None or meta.num_tokens == 0 or meta.num_tokens > T:  # profile / dummy run: no caches
+            if dev.type == "cuda":
+                self._reserve_activations(T, dev)
             return out
         n = meta.num_tokens  # rows past n are the runner's padding
         ops = use_ops(self.ops_mode, dev)
@@ -710,6 +712,27 @@ class DeepseekV41ForCausalLM(nn.Module):
         h, tok = self._final_hidden(step, e)
         out[tok] = h  # rows the decoder skipped stay zero; only each request's last row is sampled
         return out
+
+    def activation_bytes(self, T: int) -> int:
+        """Upper estimate of a T-token step's transient activations (bytes), for the profile run.
+
+        Per token: the query path in fp32 and bf16 (q, its RoPE copy, the attention output, the Marlin
+        input/output casts: ~5 x heads x head_dim x 4), the mHC streams (3 copies of hc x hidden x 4) and the
+        routed experts' intermediates (top-k x (2I + I + H) x 2); per token and visible entry: the indexer's
+        fp32 scores and their masked copy at the longest context (max_model_len / smallest ratio)."""
+        cfg = self.cfg
+        per_tok = (5 * cfg.num_attention_heads * cfg.head_dim * 4 + 3 * cfg.hc_mult * cfg.hidden_size * 4
+                   + cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + cfg.hidden_size) * 2)
+        ratios = [r for r in cfg.compress_ratios if r > 0] or [1]
+        entries = self.vllm_config.model_config.max_model_len // min(ratios)
+        return T * (per_tok + 2 * 4 * entries)
+
+    def _reserve_activations(self, T: int, dev: torch.device) -> None:
+        """vLLM sizes the KV cache from the profile run's peak memory, but that run has no caches and our
+        forward returns at once; holding :meth:`activation_bytes` for a moment makes the peak what a real
+        step of T tokens needs, so a long prefill does not run out of memory next to a full KV pool."""
+        buf = torch.empty(self.activation_bytes(T), dtype=torch.uint8, device=dev)
+        del buf
 
     def _final_hidden(self, step: Step, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings [n, H] of the step's tokens -> (final hidden states of the rows the decoder kept, those
