@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One step of a GPU session on the H200 device machine, after ../shared/gpu/README.md's bundle install.
 # Logs go under $OUT.  Each step stays under the device tool's 10-minute call limit.
-#   scripts/gpu/session.sh tests           # op + Marlin + tiny-end-to-end GPU checks (pytest -m gpu)
+#   scripts/gpu/session.sh ops             # every op against its reference on the GPU (tests/ops)
+#   scripts/gpu/session.sh tests           # Marlin layers, tiny and small models end to end (pytest -m gpu)
 #   scripts/gpu/session.sh sbs builtin     # side-by-side workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin, then the merged table
 set -uo pipefail
@@ -12,6 +13,9 @@ mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site . > "$OUT/pip.log" 2>&1
 [ -f /tmp/bench/config.json ] || python3 -m vllm_dsv41.tools.make_checkpoint /tmp/bench --preset bench --no-engram > "$OUT/mk.log" 2>&1
 case "${1:-}" in
+  ops)
+    timeout 560 python3 -m pytest -q -n 12 -p no:cacheprovider tests/ops tests/test_formats.py > "$OUT/ops-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/ops-tests.log" | tail -30 ;;
   tests)
     timeout 560 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu > "$OUT/gpu-tests.log" 2>&1
     grep -E "passed|failed|error|equal|divergence|rel err" "$OUT/gpu-tests.log" | tail -40 ;;
@@ -22,5 +26,5 @@ case "${1:-}" in
     timeout 570 python3 benchmarks/e2e/side_by_side.py run --model /tmp/bench --impls "$impl" --out "$OUT/sbs" \
       --timeout-per-impl 550 "${args[@]}" > "$OUT/sbs-$impl.log" 2>&1
     cat "$OUT/sbs/table.md" 2>/dev/null | head -20 ;;
-  *) echo "usage: $0 tests | sbs builtin|plugin" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | sbs builtin|plugin" >&2; exit 2 ;;
 esac
