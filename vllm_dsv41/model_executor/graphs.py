@@ -112,7 +112,6 @@ class StaticStep(Step):
             if v is None:
                 v = made[id(g)] = GroupView(g, device)
                 v.block_table_i32 = v.block_table_i32.clone()
-                v.block_table = v.block_table.clone()
                 v.slot_mapping = v.slot_mapping.clone()
                 if v.ring_block_ids is not None:
                     v.ring_block_ids = v.ring_block_ids.clone()
@@ -150,7 +149,7 @@ class StaticStep(Step):
                 continue
             done.add(id(v))
             v.block_table_i32.copy_(g.block_table, non_blocking=True)
-            v.block_table.copy_(v.block_table_i32)
+            v._bt64 = None  # the int64 view (plain path only) is remade from the buffer when read
             v.slot_mapping.copy_(g.slot_mapping, non_blocking=True)
             if g.ring_block_ids is not None:
                 v.ring_block_ids.copy_(g.ring_block_ids, non_blocking=True)

@@ -30,10 +30,17 @@ class GroupView:
         self.kind = md.kind
         self.rows_per_block = md.rows_per_block
         self.block_table_i32 = md.block_table.to(device=device, dtype=torch.int32)
-        self.block_table = self.block_table_i32.to(torch.int64)
+        self._bt64: torch.Tensor | None = None
         self.slot_mapping = md.slot_mapping.to(device=device, dtype=torch.int64)
         self.ring_block_ids = (md.ring_block_ids.to(device=device, dtype=torch.int64)
                                if md.ring_block_ids is not None else None)
+
+    @property
+    def block_table(self) -> torch.Tensor:
+        """The table as int64 (the plain path's indexing dtype), made on first use."""
+        if self._bt64 is None:
+            self._bt64 = self.block_table_i32.to(torch.int64)
+        return self._bt64
 
     def slots_of_entries(self, req_idx: int, entries: torch.Tensor) -> torch.Tensor:
         """Rows of one request's entries (token positions for swa, compressed indices j for
