@@ -45,7 +45,7 @@ def test_weights_mode(monkeypatch):
 
 
 def test_concat_rows_keeps_each_parts_rows_and_scales():
-    from vllm_dsv41.model_executor.linear import can_fuse_on_cuda, concat_rows
+    from vllm_dsv41.model_executor.linear import concat_rows, fuse_rows_on_cuda
 
     g = torch.Generator().manual_seed(2)
     parts = []
@@ -57,7 +57,7 @@ def test_concat_rows_keeps_each_parts_rows_and_scales():
         parts.append(p)
     both = concat_rows(*parts)
     assert torch.equal(both.dequantized(), torch.cat([p.dequantized() for p in parts]))
-    assert not can_fuse_on_cuda(*parts)  # CPU: the parts stay as they are
+    assert fuse_rows_on_cuda(*parts) is None  # CPU: the parts stay as they are
     parts[0].retire()
     parts[0].finalize()  # a retired part does nothing
     assert not hasattr(parts[0], "weight")

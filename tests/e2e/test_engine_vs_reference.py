@@ -20,6 +20,30 @@ def _generate(llm, prompts, logits=False):
     return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
 
 
+def _assert_dummy_weights_run(ckpt: str, prompt: list[int]) -> None:
+    """``load_format="dummy"`` serves 4 greedy tokens with finite logits."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with engine(ckpt, exact=False, load_format="dummy") as llm:
+        o = llm.generate([TokensPrompt(prompt_token_ids=prompt)],
+                         SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
+    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
+    assert len(o.outputs[0].token_ids) == 4 and all(abs(x) < 1e4 for x in lps)
+
+
+def _assert_logits_close(ref: list[torch.Tensor], got: list[torch.Tensor], what: str) -> float:
+    """Per prompt: complete, NaN-free and within 1e-4 of ``ref`` (fp32 rounding, see the ops-wiring test);
+    returns the largest difference."""
+    worst = 0.0
+    for k, (a, b) in enumerate(zip(ref, got)):
+        assert a.shape == b.shape and not a.isnan().any() and not b.isnan().any(), f"prompt {k}: incomplete logits"
+        d = (a - b).abs().max().item()
+        worst = max(worst, d)
+        assert d < 1e-4, f"prompt {k}: {what} differ by {d:.3e}"
+    return worst
+
+
 def _vocab_logits(out) -> torch.Tensor:
     steps = out.outputs[0].logprobs
     V = max(max(d) for d in steps) + 1
@@ -64,12 +88,7 @@ def test_ops_wiring_is_bitwise_equal_to_torch_path(chunk):
     out differently in one of the two engines, so the bound is 1e-4 rather than bit equality."""
     if (chunk, "0") not in _RAW_LOGITS or (chunk, "1") not in _RAW_LOGITS:
         pytest.skip("needs both exact-mode runs of this chunking (run the whole module)")
-    worst = 0.0
-    for k, (a, b) in enumerate(zip(_RAW_LOGITS[(chunk, "0")], _RAW_LOGITS[(chunk, "1")])):
-        assert a.shape == b.shape and not a.isnan().any(), f"prompt {k}: incomplete logits"
-        d = (a - b).abs().max().item()
-        worst = max(worst, d)
-        assert d < 1e-4, f"prompt {k}: ops path differs by {d:.3e}"
+    worst = _assert_logits_close(_RAW_LOGITS[(chunk, "0")], _RAW_LOGITS[(chunk, "1")], "ops path and plain path")
     print(f"ops wiring vs plain path (chunk={chunk}): largest |logit difference| {worst:.2e}")
 
 
@@ -97,18 +116,11 @@ def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts, 
 def test_served_dtype_and_dummy_weights(tiny_ckpt, tiny_model, prompts):
     """The checkpoint's bf16 dtype serves the same tokens (the CPU path computes in fp32), and
     ``load_format="dummy"`` runs with finite logits."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     with engine(tiny_ckpt, exact=True, dtype="auto") as llm:
         outs = _generate(llm, prompts[:3])
     for p, o in zip(prompts[:3], outs):
         assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS)[0]
-    with engine(tiny_ckpt, exact=False, load_format="dummy") as llm:
-        o = llm.generate([TokensPrompt(prompt_token_ids=prompts[4])],
-                         SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
-    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
-    assert len(o.outputs[0].token_ids) == 4 and all(abs(x) < 1e4 for x in lps)
+    _assert_dummy_weights_run(tiny_ckpt, prompts[4])
 
 
 def test_kept_quantised_weights_equal_dequantised(tiny_ckpt, prompts, monkeypatch):
@@ -117,9 +129,6 @@ def test_kept_quantised_weights_equal_dequantised(tiny_ckpt, prompts, monkeypatc
     load-time path holds, so every logit of the exact-mode ops run is the same (to fp32 rounding) - which checks the
     loader's raw copies, the expert / shared-expert / grouped ``wo_a`` layers and the dummy loader's
     scale values end to end.  Dummy weights in this mode give finite logits."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
     if (None, "1") not in _RAW_LOGITS:
@@ -131,15 +140,8 @@ def test_kept_quantised_weights_equal_dequantised(tiny_ckpt, prompts, monkeypatc
                                                if getattr(m, "quant", False)})[0]
         got = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
     assert kinds == {"QuantLinear", "Expert"}, kinds
-    for k, (a, b) in enumerate(zip(_RAW_LOGITS[(None, "1")], got)):
-        assert a.shape == b.shape and not b.isnan().any(), f"prompt {k}: incomplete logits"
-        d = (a - b).abs().max().item()  # the same bits in a quiet process; see the ops-wiring test for 1e-4
-        assert d < 1e-4, f"prompt {k}: kept-quantised weights differ by {d:.3e}"
-    with engine(tiny_ckpt, exact=False, load_format="dummy") as llm:
-        o = llm.generate([TokensPrompt(prompt_token_ids=prompts[4])],
-                         SamplingParams(temperature=0.0, max_tokens=4, logprobs=1), use_tqdm=False)[0]
-    lps = [next(iter(d.values())).logprob for d in o.outputs[0].logprobs]
-    assert len(o.outputs[0].token_ids) == 4 and all(abs(x) < 1e4 for x in lps)
+    _assert_logits_close(_RAW_LOGITS[(None, "1")], got, "kept-quantised and dequantised weights")
+    _assert_dummy_weights_run(tiny_ckpt, prompts[4])
 
 
 def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):

@@ -39,6 +39,7 @@ def _run(ckpt, prompts, weights: str, monkeypatch):
     from vllm.inputs import TokensPrompt
 
     from tests.e2e.conftest import engine
+    from tests.e2e.test_engine_vs_reference import _vocab_logits
 
     monkeypatch.setenv("VLLM_DSV41_WEIGHTS", weights)
     sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1)
@@ -47,13 +48,7 @@ def _run(ckpt, prompts, weights: str, monkeypatch):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         info = llm.apply_model(lambda m: (m.weights.quant, m.weights.cuda_fast,
                                           None if m._graphs is None else (m._graphs.failed, len(m._graphs.entries))))[0]
-    rows = []
-    for o in outs:
-        d = o.outputs[0].logprobs[0]
-        row = torch.full((max(d) + 1,), float("-inf"))
-        for tok, lp in d.items():
-            row[tok] = lp.logprob
-        rows.append(row)
+    rows = [_vocab_logits(o)[0] for o in outs]  # step 0 over the whole vocabulary
     return [list(o.outputs[0].token_ids) for o in outs], rows, info
 
 

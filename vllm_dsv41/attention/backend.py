@@ -76,14 +76,14 @@ class DSV41StepMetadata:
     groups: dict[str, DSV41GroupMetadata] = field(default_factory=dict, repr=False)
     _on: dict = field(default_factory=dict, repr=False)  # (name, device) -> copy, see ``on``
 
-    def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """Per-token field ``positions`` / ``token_req_idx`` / ``replayed`` (the replayed-token mask) on
-        ``device``, copied once per step for all groups' builders."""
-        key = (name, str(device))
+    def on(self, name: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor field ``name`` (or ``replayed``, the replayed-token mask) on ``device`` (as ``dtype``),
+        copied once per step for all groups' builders and the model."""
+        key = (name, str(device), dtype)
         got = self._on.get(key)
         if got is None:
             t = self.replayed_token_mask() if name == "replayed" else getattr(self, name)
-            got = self._on[key] = t.to(device)
+            got = self._on[key] = t.to(device=device, dtype=dtype or t.dtype)
         return got
 
     @property
@@ -293,8 +293,8 @@ class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
         else:
             ring_block_ids = block_table[:, 0].clone()
             cap = self.kv_cache_spec.block_size
-            ring = ring_block_ids.to(torch.int64)[step.on("token_req_idx", dev)]
-            slot_mapping = ring * cap + step.on("positions", dev) % cap
+            ring = ring_block_ids.to(torch.int64)[step.on("token_req_idx", dev, torch.int64)]
+            slot_mapping = ring * cap + step.on("positions", dev, torch.int64) % cap
             slot_mapping = torch.where(ring > 0, slot_mapping, PAD_SLOT)
 
         metadata = DSV41GroupMetadata(
@@ -320,12 +320,12 @@ class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
         tokens of dummy rows write nothing."""
         r, e = self.tokens_per_state, self.rows_per_block
         dev = block_table.device
-        pos = step.on("positions", dev)
+        pos = step.on("positions", dev, torch.int64)
         if pos.numel() == 0:
             return torch.empty(0, dtype=torch.int64, device=dev)
         entry = pos // r
         col = (entry // e).clamp_(max=block_table.shape[1] - 1)
-        blocks = block_table.to(torch.int64)[step.on("token_req_idx", dev), col]
+        blocks = block_table.to(torch.int64)[step.on("token_req_idx", dev, torch.int64), col]
         slots = blocks * e + entry % e
         writes = ((pos + 1) % r == 0) & (blocks > 0) & ~step.on("replayed", dev)
         return torch.where(writes, slots, PAD_SLOT)

@@ -117,10 +117,12 @@ class StaticStep(Step):
                     v.ring_block_ids = v.ring_block_ids.clone()
             self._views[name] = v
 
-    @staticmethod
-    def _fields(meta: DSV41StepMetadata) -> dict[str, torch.Tensor]:
-        return {"positions": meta.positions, "req_idx": meta.token_req_idx, "query_start_loc": meta.query_start_loc,
-                "seq_lens": meta.seq_lens, "replay_start": meta.replay_start, "lookback": meta.lookback_token_ids}
+    # the metadata fields the model reads on the device (Step._on_device)
+    FIELDS = ("positions", "token_req_idx", "query_start_loc", "seq_lens", "replay_start", "lookback_token_ids")
+
+    @classmethod
+    def _fields(cls, meta: DSV41StepMetadata) -> dict[str, torch.Tensor]:
+        return {f: getattr(meta, f) for f in cls.FIELDS}
 
     @property
     def max_position(self) -> int:

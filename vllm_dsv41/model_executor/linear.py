@@ -215,10 +215,17 @@ def concat_rows(*parts: QuantLinear) -> QuantLinear:
     return out
 
 
-def can_fuse_on_cuda(*parts: QuantLinear) -> bool:
-    """The fast CUDA path, before the parts' own finalize: quantised, on CUDA, whole 32-row tiles."""
-    return all(p.quant and not getattr(p, "retired", False) and p.weight.device.type == "cuda"
-               and p.groups == 1 and p.out_features % 32 == 0 for p in parts)
+def fuse_rows_on_cuda(*parts: QuantLinear) -> QuantLinear | None:
+    """On the fast CUDA path (quantised parts on CUDA, whole 32-row tiles, before their own finalize): the
+    parts as one repacked :func:`concat_rows` layer, the parts retired; otherwise None (parts unchanged)."""
+    if not all(p.quant and not getattr(p, "retired", False) and p.weight.device.type == "cuda"
+               and p.groups == 1 and p.out_features % 32 == 0 for p in parts):
+        return None
+    fused = concat_rows(*parts)
+    fused.finalize()
+    for p in parts:
+        p.retire()
+    return fused
 
 
 class Expert(nn.Module):

@@ -25,6 +25,7 @@ step (:class:`Step`).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterable
@@ -37,8 +38,8 @@ from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
-from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, can_fuse_on_cuda,
-                                              concat_rows, fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe)
+from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fuse_rows_on_cuda,
+                                              fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -73,6 +74,7 @@ def use_ops(mode: str, device: torch.device) -> bool:
     return mode == "1" or (mode == "auto" and device.type == "cuda")
 
 
+@functools.cache
 def _ops():
     """``torch.ops.dsv41`` with every op of the package registered."""
     from vllm_dsv41.ops import compressor, indexer, mhc, rope, router, sparse_attn, swa_insert, topk  # noqa: F401
@@ -149,11 +151,7 @@ class Attention(nn.Module):
     def finalize(self) -> None:
         """After loading, before the children's own repack: on the fast CUDA path wq_a and wkv, which read
         the same input, become one Marlin GEMM."""
-        if can_fuse_on_cuda(self.wq_a, self.wkv):
-            self.wqkv_a = concat_rows(self.wq_a, self.wkv)
-            self.wqkv_a.finalize()
-            self.wq_a.retire()
-            self.wkv.retire()
+        self.wqkv_a = fuse_rows_on_cuda(self.wq_a, self.wkv)
 
     def _qkv_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x @ wq_a^T, x @ wkv^T)."""
@@ -221,12 +219,7 @@ class Attention(nn.Module):
         layers of one group and cache geometry."""
         g = step.group(cache.prefix)
         key = ("write_slots", id(g), cache.flat_rows()[1:]) if tok is step.all_rows(step.num_tokens) else None
-        got = step.scratch.get(key) if key is not None else None
-        if got is None:
-            got = cache.flat_slots(step.take(g.slot_mapping, tok))
-            if key is not None:
-                step.scratch[key] = got
-        return got
+        return step.once(key, lambda: cache.flat_slots(step.take(g.slot_mapping, tok)))
 
     def _compress_ops(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
         """``_compress`` through ``dsv41::compress_insert`` (pooling, norms, RoPE, records, writes)."""
@@ -334,19 +327,17 @@ class Attention(nn.Module):
         """SWA keys of every row: positions max(p - W + 1, floor, 0) .. p, as rows of the flat SWA
         cache view, -1 padded.  [R, W] int64 (a large pool's flat rows pass 2^31)."""
         g = step.group(self.swa_cache.prefix)
-        key = None
-        if pos is step.positions and floors is step.replay_start:  # the same lists for every layer of the group
-            key = ("swa_slots", id(g), self.swa_cache.flat_rows()[1:])
-            got = step.scratch.get(key)
-            if got is not None:
-                return got
-        W = self.cfg.sliding_window
-        kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
-        kp = torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
-        slots = g.slots_of(req, kp, self.swa_cache.flat_rows()[1:])
-        if key is not None:
-            step.scratch[key] = slots
-        return slots
+        geometry = self.swa_cache.flat_rows()[1:]
+        # the same lists for every layer of the group when the rows are the step's own
+        key = ("swa_slots", id(g), geometry) if pos is step.positions and floors is step.replay_start else None
+
+        def make() -> torch.Tensor:
+            W = self.cfg.sliding_window
+            kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
+            kp = torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
+            return g.slots_of(req, kp, geometry)
+
+        return step.once(key, make)
 
     def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
                     xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
@@ -358,12 +349,10 @@ class Attention(nn.Module):
             if plan.owns_indexer:
                 step.scratch[("topk_ids", plan.layer_id)] = self._select_ops(model, step, pos, req, xr, qr)
             src = model.attn_of(plan.kv_source)
-            key = ("comp_slots", plan.index_source, plan.kv_source)  # shared by the selection's consumers
-            comp_slots = step.scratch.get(key)
-            if comp_slots is None:
-                ent = step.scratch[("topk_ids", plan.index_source)]
-                comp_slots = step.scratch[key] = step.group(src.comp_cache.prefix).slots_of(
-                    req, ent, src.comp_cache.flat_rows()[1:])
+            comp_slots = step.once(  # shared by the selection's consumers
+                ("comp_slots", plan.index_source, plan.kv_source),
+                lambda: step.group(src.comp_cache.prefix).slots_of(
+                    req, step.scratch[("topk_ids", plan.index_source)], src.comp_cache.flat_rows()[1:]))
             comp_cache = src.comp_cache.flat_rows()[0]
         return _ops().sparse_attn(q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors),
                                   comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
@@ -374,12 +363,8 @@ class Attention(nn.Module):
         the cos/sin are computed once per step and RoPE setting and shared by every layer (same bits)."""
         if step.use_ops:
             return _ops().rope(x, pos, self.inv_freq)
-        cs = None
-        if pos is step.positions:
-            key = ("rope", self.plan.rope)
-            cs = step.scratch.get(key)
-            if cs is None:
-                cs = step.scratch[key] = rope_cos_sin(pos, self.inv_freq)
+        cs = step.once(("rope", self.plan.rope) if pos is step.positions else None,
+                       lambda: rope_cos_sin(pos, self.inv_freq))
         return apply_rope(x, pos, self.inv_freq, cos_sin=cs)
 
     def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
@@ -421,11 +406,7 @@ class SharedExpert(nn.Module):
         self.inter, self.limit = inter, limit
 
     def finalize(self) -> None:
-        if can_fuse_on_cuda(self.w1, self.w3):
-            self.w13 = concat_rows(self.w1, self.w3)
-            self.w13.finalize()
-            self.w1.retire()
-            self.w3.retire()
+        self.w13 = fuse_rows_on_cuda(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The clamped SwiGLU of ``swiglu_clamped`` over this expert's FP8 weights."""
@@ -592,17 +573,16 @@ class DeepseekV41Model(nn.Module):
         return m
 
     def engram_rows(self, step: Step, layer_id: int) -> torch.Tensor:
-        key = ("engram", layer_id)
-        if key not in step.scratch:
+        def make() -> torch.Tensor:
             h = self._engram
             win = step.token_windows(h.max_ngram)
             cmap = self._token_map(win.device)
             cids = torch.where(win >= 0, cmap[win.clamp(min=0)], torch.full_like(win, -1))
             if self._cmap_pad is None:
                 self._cmap_pad = int(self._cmap[h.pad_token_id])
-            step.scratch[key] = engram_math.engram_row_ids(cids, h.layout(layer_id), h.mult(layer_id),
-                                                           self._cmap_pad)
-        return step.scratch[key]
+            return engram_math.engram_row_ids(cids, h.layout(layer_id), h.mult(layer_id), self._cmap_pad)
+
+        return step.once(("engram", layer_id), make)
 
     def attn_of(self, layer_id: int) -> Attention:
         return self.layers[layer_id].attn
@@ -617,12 +597,9 @@ class DeepseekV41Model(nn.Module):
         g = step.group(cache.prefix)
         if bstep == g.rows_per_block and rstep == 1:
             return flat, g.block_table_i32, g.rows_per_block
-        key = ("index_table", cache.prefix, n_max)
-        table = step.scratch.get(key)
-        if table is None:
-            ent = torch.arange(n_max, device=step.device).expand(step.num_reqs, n_max)
-            req = torch.arange(step.num_reqs, device=step.device)
-            table = step.scratch[key] = g.slots_of(req, ent, (bstep, rstep))
+        table = step.once(("index_table", cache.prefix, n_max), lambda: g.slots_of(
+            step.all_rows(step.num_reqs), torch.arange(n_max, device=step.device).expand(step.num_reqs, n_max),
+            (bstep, rstep)))
         return flat, table, 1
 
     def forward(self, step: Step, S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -79,14 +79,26 @@ class Step:
             got = self._aranges[n] = torch.arange(n, device=self.device)
         return got
 
+    def once(self, key, make):
+        """``make()``, computed once per step under ``key`` in :attr:`scratch` (shared by the layers that
+        ask for the same key); ``key`` None computes without keeping it."""
+        if key is None:
+            return make()
+        got = self.scratch.get(key)
+        if got is None:
+            got = self.scratch[key] = make()
+        return got
+
     def take(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``t[idx]`` along dim 0, without a gather when ``idx`` is :meth:`all_rows` of ``t``'s length."""
         return t if idx is self._aranges.get(t.shape[0]) else t[idx]
 
-    def _on_device(self, key: str, t: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        got = self._dev.get(key)
+    def _on_device(self, name: str) -> torch.Tensor:
+        """Metadata field ``name`` as int64 on the step's device: the builders' copy when they made one
+        (``DSV41StepMetadata.on``), so each field crosses to the device once per step."""
+        got = self._dev.get(name)
         if got is None:
-            got = self._dev[key] = t.to(device=self.device, dtype=dtype)
+            got = self._dev[name] = self.meta.on(name, self.device, torch.int64)
         return got
 
     # -- host-side facts (CPU tensors / ints: loop bounds and shapes, no device sync)
@@ -118,23 +130,23 @@ class Step:
     # -- device tensors (moved once per step)
     @property
     def positions(self) -> torch.Tensor:
-        return self._on_device("positions", self.meta.positions)
+        return self._on_device("positions")
 
     @property
     def req_idx(self) -> torch.Tensor:
-        return self._on_device("req_idx", self.meta.token_req_idx)
+        return self._on_device("token_req_idx")
 
     @property
     def query_start_loc(self) -> torch.Tensor:
-        return self._on_device("query_start_loc", self.meta.query_start_loc)
+        return self._on_device("query_start_loc")
 
     @property
     def seq_lens(self) -> torch.Tensor:
-        return self._on_device("seq_lens", self.meta.seq_lens)
+        return self._on_device("seq_lens")
 
     @property
     def replay_start(self) -> torch.Tensor:
-        return self._on_device("replay_start", self.meta.replay_start)
+        return self._on_device("replay_start")
 
     def needs_pruning(self, window: int) -> bool:
         """Decoder pruning pays off only when some request brings more than ``window`` rows."""
@@ -157,7 +169,7 @@ class Step:
         T = ids.numel()
         req, pos = self.req_idx, self.positions
         starts = self.query_start_loc[req]
-        look = self._on_device("lookback", self.meta.lookback_token_ids)
+        look = self._on_device("lookback_token_ids")
         t = torch.arange(T, device=dev)
         k = torch.arange(depth, device=dev)
         off = (t - starts)[:, None]  # offset of each token inside its request's chunk
