@@ -63,6 +63,30 @@ def test_plugin_tiny_run(tiny_ckpt, tmp_path):
     assert f"| global KV B/token | — | {want:,.1f} |" in table
 
 
+@pytest.mark.engine
+def test_fresh_engine_after_a_failed_workload(tiny_ckpt, tmp_path):
+    """A workload that raises stops its engine (its state is unknown after an error); the driver starts a
+    fresh one that keeps the finished results and runs the rest.  Here max_model_len 1000 makes the
+    1024-token stress prompt fail validation."""
+    out = tmp_path / "sbs"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "run", "--model", tiny_ckpt, "--impls", "plugin", "--scale", "tiny",
+         "--only", "decode_b1,stress", "--out", str(out), "--timeout-per-impl", "400",
+         "--plugin-llm-args", '{"max_model_len": 1000}'],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=450)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rec = json.loads((out / "plugin.json").read_text())
+    status = {name: w["status"] for name, w in rec["workloads"].items()}
+    assert status == {"decode_b1": "ok", "stress_1x1024": "error", "stress_8x256": "ok", "stress_64x16": "ok"}, rec
+    assert "1024" in rec["workloads"]["stress_1x1024"]["error"]
+    assert rec["status"] == "done" and rec["restarts"] == 1 and len(rec["engine_starts_s"]) == 2
+    assert (out / "plugin.1.log").exists()
+    table = (out / "table.md").read_text()
+    assert "| stress 1x1024 | — | error:" in table and table.count("| no crash (plugin) | no |") == 1
+
+
 def _rec(impl: str, tok_s: dict[str, float], kv: float, stress: dict[str, str]) -> dict:
     workloads = {n: {"kind": "decode", "status": "ok", "tok_s": v, "wall_s": 1.0} for n, v in tok_s.items()}
     workloads["prefill_32k"]["kind"] = "prefill"

@@ -4,7 +4,8 @@ engine config, same workloads.
 Owns: the workload list (decode at batch 1/16/64, a 32k prefill, a stress sweep of batch x length),
 the per-impl worker (one ``vllm.LLM`` in-process, results appended to ``OUTDIR/<impl>.json`` after
 every workload), the driver (one worker subprocess per impl with a timeout; a worker that dies keeps
-what it measured and its running workload is marked ``crashed``), the global KV bytes/token read from
+what it measured and its running workload is marked ``crashed``; after a crash, or a workload that
+raised, a fresh worker runs the workloads left while the impl's time lasts), the global KV bytes/token read from
 the engine's own KV-cache config, and the comparison table (``OUTDIR/table.md``).
 
 GPU (one H200, vLLM 0.32 and this package importable):
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
 import shlex
@@ -135,7 +137,9 @@ def llm_kwargs(impl: str, model: str, scale: str, overrides: dict[str, Any]) -> 
 
 
 def worker_env(impl: str) -> dict[str, str]:
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    # FlashInfer's sampler JIT-compiles for ~100 s at every engine start on a machine without its cubin
+    # package (the H200 image); greedy sampling is not what this compares, so both impls use vLLM's own.
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_FLASHINFER_SAMPLER="0")
     if impl == "builtin":
         env["VLLM_DSV41_DISABLE"] = "1"
     else:
@@ -265,17 +269,32 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
+#: Worker exit code after a workload raised: the engine's state is unknown (its requests may still be
+#: scheduled; a server's engine would be dead), so the driver starts a fresh one for the rest.
+EXIT_STOPPED = 3
+#: A finished workload keeps its result when a worker resumes the impl.
+FINAL_STATUSES = ("ok", "error", "crashed", "timeout")
+
+
 def worker_main(args: argparse.Namespace) -> int:
     path = Path(args.out) / f"{args.impl}.json"
     workloads = select_workloads(args.scale, args.only)
     kwargs = llm_kwargs(args.impl, args.model, args.scale, json.loads(args.llm_args))
-    rec: dict[str, Any] = {
+    prev = load_json(path) if args.resume else None
+    rec: dict[str, Any] = prev or {
         "impl": args.impl, "status": "starting", "date_utc": utc_now(), "command": args.command,
         "worker_command": shlex.join([sys.executable, *sys.argv]), "scale": args.scale,
         "llm_kwargs": kwargs, "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
         "vllm_version": None, "gpu": None, "engine_start_s": None, "kv_cache": None,
         "workloads": {w.name: {**asdict(w), "status": "pending"} for w in workloads},
     }
+    if prev is not None:  # a fresh engine for the workloads the previous one did not finish
+        rec["status"] = "starting"
+        rec["restarts"] = rec.get("restarts", 0) + 1
+        for w in workloads:
+            if rec["workloads"][w.name]["status"] not in FINAL_STATUSES:
+                rec["workloads"][w.name] = {**asdict(w), "status": "pending"}
+    todo = [w for w in workloads if rec["workloads"][w.name]["status"] == "pending"]
     save_json(path, rec)
     import vllm
 
@@ -287,7 +306,8 @@ def worker_main(args: argparse.Namespace) -> int:
         rec.update(status="engine_error", error=traceback.format_exc()[-LOG_TAIL_CHARS:])
         save_json(path, rec)
         return 1
-    rec.update(engine_start_s=time.perf_counter() - t0, gpu=gpu_name(), status="running")
+    rec.setdefault("engine_starts_s", []).append(time.perf_counter() - t0)
+    rec.update(engine_start_s=rec["engine_starts_s"][0], gpu=gpu_name(), status="running")
     try:
         rec["kv_cache"] = kv_cache_summary(*engine_kv_cache_config(llm))
     except Exception as e:
@@ -298,7 +318,7 @@ def worker_main(args: argparse.Namespace) -> int:
         run_workload(llm, Workload("warmup", "decode", 1, 16, 4), vocab)
     except Exception as e:
         rec["warmup_error"] = error_text(e)
-    for w in workloads:
+    for w in todo:
         entry = rec["workloads"][w.name]
         entry["status"] = "running"
         save_json(path, rec)
@@ -308,10 +328,26 @@ def worker_main(args: argparse.Namespace) -> int:
         except Exception as e:
             entry.update(status="error", error=error_text(e))
         print(f"[{args.impl}] {w.name}: {json.dumps(entry)}", flush=True)
+        if entry["status"] == "error" and w is not todo[-1]:
+            rec["status"] = "stopped"
+            save_json(path, rec)
+            return EXIT_STOPPED
         save_json(path, rec)
     rec["status"] = "done"
+    rec["decode_graphs"] = decode_graphs(llm) if args.impl == "plugin" else None
     save_json(path, rec)
     return 0
+
+
+def decode_graphs(llm) -> dict[str, Any]:
+    """The plugin's captured decode graphs: the (batch, context) keys and why capture failed, if it did."""
+    try:
+        def state(model):
+            g = getattr(model, "_graphs", None)
+            return None if g is None else {"failed": g.failed, "captured": sorted(g.entries)}
+        return llm.apply_model(state)[0] or {"failed": "decode graphs off", "captured": []}
+    except Exception as e:
+        return {"failed": error_text(e), "captured": []}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,14 +384,15 @@ def kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 def finalize(path: Path, impl: str, returncode: int | None, reason: str | None, log: Path) -> dict:
-    """Fold the worker's fate into its JSON: a running workload becomes crashed/timeout."""
+    """Fold the worker's fate into its JSON: a running workload becomes crashed/timeout, pending ones
+    not_run (a resumed worker runs those)."""
     rec = load_json(path) or {"impl": impl, "status": "starting", "workloads": {}}
     exit_desc = describe_exit(returncode, reason)
     rec["exit"] = {"returncode": returncode, "description": exit_desc}
     if rec["status"] != "done":
         tail = log_tail(log)
         rec["log_tail"] = tail
-        if rec["status"] != "engine_error":
+        if rec["status"] not in ("engine_error", "stopped"):
             rec["status"] = "timeout" if reason and reason.startswith("timeout") else "crashed"
         for entry in rec["workloads"].values():
             if entry["status"] == "running":
@@ -367,32 +404,46 @@ def finalize(path: Path, impl: str, returncode: int | None, reason: str | None, 
     return rec
 
 
+#: Seconds an engine restart needs at least to be worth starting (engine start + one workload).
+MIN_RESTART_S = 120.0
+
+
 def run_impl(impl: str, args: argparse.Namespace, command: str) -> tuple[dict, bool]:
-    """Run one worker to its end; returns its record and whether the user interrupted."""
+    """Run one impl's workers to the end; returns its record and whether the user interrupted.
+
+    A worker that crashed, or stopped after a workload raised, is followed by a fresh one (fresh engine)
+    for the workloads not run yet, while the impl's time lasts; its log goes to ``<impl>.<n>.log``."""
     out = Path(args.out)
-    path, log = out / f"{impl}.json", out / f"{impl}.log"
+    path = out / f"{impl}.json"
     path.unlink(missing_ok=True)
+    deadline = time.monotonic() + args.timeout_per_impl
     cmd = [sys.executable, str(Path(__file__).resolve()), "worker", "--impl", impl,
            "--model", args.model, "--out", str(out), "--scale", args.scale, "--command", command,
            "--llm-args", getattr(args, f"{impl}_llm_args")]
     if args.only:
         cmd += ["--only", args.only]
-    print(f"[{impl}] worker started, log: {log}", flush=True)
-    reason, interrupted = None, False
-    with open(log, "wb") as logf:
-        proc = subprocess.Popen(cmd, env=worker_env(impl), stdout=logf, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            proc.wait(timeout=args.timeout_per_impl)
-        except subprocess.TimeoutExpired:
-            reason = f"timeout after {args.timeout_per_impl:.0f} s (process group killed)"
-            kill_group(proc)
-        except KeyboardInterrupt:
-            reason, interrupted = "interrupted (process group killed)", True
-            kill_group(proc)
-    rec = finalize(path, impl, proc.returncode, reason, log)
-    print(f"[{impl}] {rec['status']} ({rec['exit']['description']})", flush=True)
-    return rec, interrupted
+    for n in itertools.count():
+        log = out / (f"{impl}.log" if n == 0 else f"{impl}.{n}.log")
+        print(f"[{impl}] worker started, log: {log}", flush=True)
+        reason, interrupted = None, False
+        left = deadline - time.monotonic()
+        with open(log, "wb") as logf:
+            proc = subprocess.Popen(cmd + (["--resume"] if n else []), env=worker_env(impl), stdout=logf,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                reason = f"timeout after {args.timeout_per_impl:.0f} s (process group killed)"
+                kill_group(proc)
+            except KeyboardInterrupt:
+                reason, interrupted = "interrupted (process group killed)", True
+                kill_group(proc)
+        rec = finalize(path, impl, proc.returncode, reason, log)
+        print(f"[{impl}] {rec['status']} ({rec['exit']['description']})", flush=True)
+        rest = [w for w in rec["workloads"].values() if w["status"] == "not_run"]
+        if (interrupted or reason or rec["status"] not in ("crashed", "stopped") or not rest
+                or deadline - time.monotonic() < MIN_RESTART_S):
+            return rec, interrupted
 
 
 def load_impl_records(paths: list[Path]) -> dict[str, dict]:
@@ -479,9 +530,11 @@ def _compare_row(metric: str, cells: tuple[str, str], vb: float | None, vp: floa
 
 
 def _stress_met(w: dict | None) -> bool | None:
+    """Served without a crash and without an error (a failed request counts: the target is that every
+    size is served)."""
     if w is None or w["status"] in ("pending", "not_run", "running"):
         return None
-    return w["status"] not in CRASH_STATUSES
+    return w["status"] == "ok"
 
 
 def table_rows(recs: dict[str, dict]) -> list[list[str]]:
@@ -527,10 +580,15 @@ def render_table(recs: dict[str, dict]) -> str:
         if rec is None:
             lines.append(f"- {impl}: — (no results)")
             continue
+        graphs = rec.get("decode_graphs")
         lines += [f"- {impl}: status {rec.get('status')}"
-                  + (f" ({rec['exit']['description']})" if rec.get("exit") and rec["status"] != "done" else ""),
+                  + (f" ({rec['exit']['description']})" if rec.get("exit") and rec["status"] != "done" else "")
+                  + (f"; engine restarted {rec['restarts']}x after a failed workload" if rec.get("restarts") else ""),
                   f"  - command: `{rec.get('command')}`",
                   f"  - LLM kwargs: `{json.dumps(rec.get('llm_kwargs'), sort_keys=True)}`"]
+        if graphs:
+            lines.append(f"  - decode CUDA graphs: {len(graphs['captured'])} captured"
+                         + (f"; capture failed: {graphs['failed'].splitlines()[0][:200]}" if graphs["failed"] else ""))
     lines += [""] + _md_table(["metric", "builtin", "plugin", "ratio plugin/builtin", "target", "met?"],
                               table_rows(recs))
     lines += ["", "## KV cache groups (engine)", ""]
@@ -581,6 +639,8 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--only", default=None)
     worker.add_argument("--llm-args", default="{}")
     worker.add_argument("--command", default="")
+    worker.add_argument("--resume", action="store_true",
+                        help="keep OUT/<impl>.json's finished workloads, run the others on a fresh engine")
     table = sub.add_parser("table", aliases=["merge"], help="render the table from per-impl JSON files")
     table.add_argument("files", nargs="+")
     table.add_argument("--out", default=None)

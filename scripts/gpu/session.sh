@@ -21,10 +21,12 @@ case "${1:-}" in
     grep -E "passed|failed|error|equal|divergence|rel err" "$OUT/gpu-tests.log" | tail -40 ;;
   sbs)
     impl=${2:?builtin or plugin}
-    args=()
+    # the throughput targets compare the two stacks; the no-crash sweep is the plugin's target only
+    args=(--only decode_b1,decode_b16,decode_b64,prefill_32k)
     [ "$impl" = plugin ] && args=(--plugin-llm-args '{"kv_cache_memory_bytes": 17179869184}')
     timeout 570 python3 benchmarks/e2e/side_by_side.py run --model /tmp/bench --impls "$impl" --out "$OUT/sbs" \
       --timeout-per-impl 550 "${args[@]}" > "$OUT/sbs-$impl.log" 2>&1
-    cat "$OUT/sbs/table.md" 2>/dev/null | head -20 ;;
+    grep -hE "^\[$impl\]" "$OUT"/sbs/"$impl"*.log | cut -c1-400
+    cat "$OUT/sbs/table.md" 2>/dev/null | head -24 ;;
   *) echo "usage: $0 ops | tests | sbs builtin|plugin" >&2; exit 2 ;;
 esac

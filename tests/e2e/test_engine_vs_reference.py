@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.utils._python_dispatch
 
 from tests.e2e.conftest import engine
 
@@ -144,13 +145,91 @@ def test_kept_quantised_weights_equal_dequantised(tiny_ckpt, prompts, monkeypatc
     _assert_dummy_weights_run(tiny_ckpt, prompts[4])
 
 
+def test_bf16_queries_on_the_ops_path(tiny_ckpt, prompts, monkeypatch):
+    """The fast CUDA path runs attention on bf16 queries (``Attention.q_dtype``).  The same switch on CPU:
+    q leaves ``wq_b`` in bf16 and goes through ``dsv41::rope``, ``dsv41::sparse_attn`` and ``wo_a`` /
+    ``wo_b`` in bf16, the layer output returns to the fp32 stream.  The logits are finite and differ from
+    the fp32 run (the switch is live).  No closeness bound: the tiny model's random weights amplify noise
+    (rounding only q to bf16 inside the fp32 path already moves its logits by up to 3.5, std 7.8); the
+    Hopper tests compare the fast path with the dequantised one at Marlin-sized widths."""
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
+    if (None, "1") not in _RAW_LOGITS:
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            _RAW_LOGITS[(None, "1")] = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
+    with engine(tiny_ckpt, exact=True, **kw) as llm:
+        n = llm.apply_model(lambda model: sum(setattr(m, "q_dtype", torch.bfloat16) or 1
+                                              for m in model.modules() if hasattr(m, "q_dtype")))[0]
+        got = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
+    assert n > 0
+    step0 = [(a[0] - b[0]).abs().max().item() for a, b in zip(_RAW_LOGITS[(None, "1")], got)]
+    assert all(not g.isnan().any() for g in got)
+    print(f"bf16 queries: step-0 |logit difference| max {max(step0):.2e}, median {sorted(step0)[len(step0) // 2]:.2e}")
+    assert max(step0) > 0
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the ops that read device values on the host (or size their output by them) - each would
+    break a CUDA-graph capture - with the plugin frames that issued them."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+               "repeat_interleave", "is_nonzero", "equal"}
+
+    def __init__(self):
+        super().__init__()
+        self.hits: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import traceback
+
+        name = func.overloadpacket.__name__
+        bool_index = name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+        if name in self.SYNCING or bool_index:
+            where = [f"{f.filename.rsplit('vllm_dsv41/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
+                     if "vllm_dsv41" in f.filename]
+            self.hits.add(f"{name}{' (bool index)' if bool_index else ''} at {' <- '.join(reversed(where[-3:]))}")
+        return func(*args, **(kwargs or {}))
+
+
 def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
     """``VLLM_DSV41_CUDAGRAPH=static`` runs every decode step the way a captured CUDA graph does (padded
     to a power-of-two batch, fixed buffers, the context bucket's score width: ``graphs.py``) but without
     capture, so CPU checks the padding: with at most 6 requests per step the 9 prompts decode as batches of
     6 and 3, padded to 8 and 4.  Against the same run unpadded the tokens are equal and the logits differ
-    only by fp32 summation order (matmuls over 8 rows instead of 6)."""
+    only by fp32 summation order (matmuls over 8 rows instead of 6).
+
+    It also checks what capture needs and CPU can see: inside a static step no op reads a device value on
+    the host (``_HostReads``) and no step metadata is copied to the device (the step's buffers hold it)."""
+    from vllm_dsv41.attention.backend import DSV41StepMetadata
+    from vllm_dsv41.model_executor import graphs
+
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    probe, copies = _HostReads(), []
+    on = DSV41StepMetadata.on
+
+    def on_checked(self, name, *a, **k):
+        if graphs.in_static_step():
+            copies.append(name)
+        return on(self, name, *a, **k)
+
+    run = graphs.DecodeGraphs.run
+
+    def run_probed(self, *a, **k):
+        model = self.run_model
+
+        def probed(step):
+            with probe:
+                return model(step)
+
+        self.run_model = probed
+        try:
+            return run(self, *a, **k)
+        finally:
+            self.run_model = model
+
+    monkeypatch.setattr(DSV41StepMetadata, "on", on_checked)
+    monkeypatch.setattr(graphs.DecodeGraphs, "run", run_probed)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6)
     runs = {}
     for mode in ("0", "static"):
@@ -161,6 +240,8 @@ def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
             if mode == "static":
                 keys = llm.apply_model(lambda model: sorted(model._graphs.entries_seen))[0]
     assert {(8, 1024), (4, 1024)} <= set(keys), keys
+    assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
+    assert not copies, f"step metadata copied to the device inside static decode steps: {sorted(set(copies))}"
     assert runs["0"][0] == runs["static"][0]
     worst = max((a - b).abs().max().item() for a, b in zip(runs["0"][1], runs["static"][1]))
     print(f"padded static decode steps: tokens equal, largest |logit difference| {worst:.2e}")

@@ -292,6 +292,18 @@ def test_cuda_real_sizes_bf16(T):
     assert_close(f"T={T} bf16", ref, got, ratio=1e-2)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [16, 64])
+def test_cuda_real_sizes_fp32_default_config(T):
+    """fp32 q through the op's default config: the 64-head, 64-key, 2-stage tile needs 313 KB of shared
+    memory in fp32 under Triton 3.7 (the H200 has 227 KB), so ``launch_fitting`` must step down."""
+    c = random_case(T, **REAL, seed=200 + T, dtype=torch.float32, swa_pool=4096, comp_pool=16384,
+                    holes=0.02, device="cuda")
+    got = torch.ops.dsv41.sparse_attn(*_args(c))
+    assert_close(f"T={T} fp32", sa.sparse_attn_ref(*_args(c)), got, ratio=1e-4)
+
+
 _GPU_CFGS = {
     "h64n32s1": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1),   # warp-group MMA
     "h32n32s2": dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),   # mma.sync
@@ -347,3 +359,47 @@ def test_cuda_tiny_model_shapes(dtype):
 
 if __name__ == "__main__" and "--interpret" in sys.argv:
     sys.exit(_interpreter_main())
+
+
+class OutOfResources(Exception):
+    """Stands in for ``triton.runtime.errors.OutOfResources`` (``launch_fitting`` matches it by name)."""
+
+
+def test_launch_fitting_steps_down_and_remembers(caplog):
+    """A config over the GPU's shared memory is skipped for the next smaller one (with a warning), the
+    winner is reused for the same key without retrying, other errors pass through, and when nothing fits
+    the error names the op and every config tried."""
+    from vllm_dsv41.ops import _triton
+    from vllm_dsv41.ops.sparse_attn import default_config, smaller_configs
+
+    wanted = default_config(64, 64)
+    configs = smaller_configs(wanted)
+    assert configs[0] == wanted and len(configs) == len({tuple(sorted(c.items())) for c in configs}) >= 3
+    assert all(c["num_stages"] == 1 for c in configs[1:-1]) and configs[-1]["BLOCK_H"] == 16
+
+    tried = []
+
+    def launch(cfg):  # only 32-key tiles and smaller "fit"
+        tried.append(cfg)
+        if cfg["BLOCK_N"] > 32:
+            raise OutOfResources("shared memory, Required: 313088, Hardware limit: 232448")
+
+    key = ("test", len(tried))
+    _triton._FITTED.pop(("sparse_attn", key), None)
+    _triton.launch_fitting("sparse_attn", launch, configs, key)
+    assert [c["BLOCK_N"] for c in tried] == [64, 64, 32] and "does not fit" in caplog.text
+    tried.clear()
+    _triton.launch_fitting("sparse_attn", launch, configs, key)
+    assert [c["BLOCK_N"] for c in tried] == [32]
+
+    def broken(cfg):
+        raise ValueError("not a resource problem")
+
+    with pytest.raises(ValueError, match="not a resource problem"):
+        _triton.launch_fitting("sparse_attn", broken, configs, ("test", "broken"))
+
+    def never(cfg):
+        raise OutOfResources("shared memory")
+
+    with pytest.raises(RuntimeError, match="sparse_attn: no launch config fits"):
+        _triton.launch_fitting("sparse_attn", never, configs, ("test", "never"))

@@ -92,23 +92,16 @@ class DSV41CacheLayer(nn.Module, AttentionLayerBase):
     def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Store ``rows[i]`` at ``slots[i]``; slots < 0 are skipped.
 
-        Off the CPU the write needs no host sync: skipped rows are redirected to row 0 of the null
-        block 0 (never a real slot) and rewrite the value it already holds."""
+        No host sync (the write may run inside a captured CUDA graph): skipped rows are redirected to
+        row 0 of the null block 0 (never a real slot) and rewrite the value it already holds."""
         if rows.shape[0] == 0:
             return
         e = self.rows_per_block
-        if slots.device.type != "cpu":
-            keep = slots >= 0
-            slots = torch.where(keep, slots.to(torch.int64), 0)
-            old = self.blocks[0, 0]
-            keep = keep.view(-1, *([1] * (rows.dim() - 1)))
-            self.blocks[slots // e, slots % e] = torch.where(keep, rows.to(self.blocks.dtype), old)
-            return
         keep = slots >= 0
-        if not bool(keep.any()):
-            return
-        slots = slots[keep].to(torch.int64)
-        self.blocks[slots // e, slots % e] = rows[keep].to(self.blocks.dtype)
+        slots = torch.where(keep, slots.to(torch.int64), 0)
+        old = self.blocks[0, 0]
+        keep = keep.view(-1, *([1] * (rows.dim() - 1)))
+        self.blocks[slots // e, slots % e] = torch.where(keep, rows.to(self.blocks.dtype), old)
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (all must be valid, >= 0)."""

@@ -22,6 +22,7 @@ is exact: padded rows write nothing (slot -1), read block 0 and are discarded
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable
@@ -35,6 +36,25 @@ logger = logging.getLogger(__name__)
 
 GRAPH_ENV = "VLLM_DSV41_CUDAGRAPH"
 MIN_CONTEXT = 1024
+
+
+_IN_STATIC_STEP = False
+
+
+def in_static_step() -> bool:
+    """True while a padded static decode step runs (eager warm-up, capture, or ``static`` mode): code
+    that would read device values on the host takes its sync-free form then."""
+    return _IN_STATIC_STEP
+
+
+@contextlib.contextmanager
+def _static_step():
+    global _IN_STATIC_STEP
+    prev, _IN_STATIC_STEP = _IN_STATIC_STEP, True
+    try:
+        yield
+    finally:
+        _IN_STATIC_STEP = prev
 
 
 def graph_mode(device: torch.device, use_ops: bool) -> str:
@@ -194,14 +214,15 @@ class DecodeGraphs:
             return out[:n]
         step = StaticStep(padded, device, ctx)
         step.load(padded, input_ids, n)
-        h = self.run_model(step)  # eager: this step's answer, and the warm-up before capture
+        with _static_step():
+            h = self.run_model(step)  # eager: this step's answer, and the warm-up before capture
         if capture:
             try:
                 step.scratch.clear()
                 graph = torch.cuda.CUDAGraph()
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
-                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                with _static_step(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     out = self.run_model(step)
                 self.entries[(B, ctx)] = (step, graph, out)
             except Exception as e:  # a capture-unsafe op: serve eagerly rather than fail the request

@@ -12,7 +12,7 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
   stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
   Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
   (:func:`marlin_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
-  reference).
+  reference; :func:`masked_moe` inside captured decode steps, where the host may not read the routing).
 
 Why Marlin (docs/design.md, "Hopper weights"): it is the W8A16 / W4A16 path vLLM 0.32 ships for
 SM90 that takes the checkpoint's own scales without requantisation.
@@ -281,17 +281,33 @@ def marlin_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tens
     return y.to(x.dtype)
 
 
-def loop_moe(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, wts: torch.Tensor,
-             limit: float) -> torch.Tensor:
-    """Routed experts one by one over their (dequantised) weights: the reference path (host-synchronising)."""
+def _expert_out(x: torch.Tensor, ex: "Expert", limit: float) -> torch.Tensor:
     from vllm_dsv41.reference.model import swiglu_clamped
 
+    return swiglu_clamped(x, ex.weight("w1").to(x.dtype), ex.weight("w3").to(x.dtype), ex.weight("w2").to(x.dtype),
+                          limit)
+
+
+def loop_moe(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, wts: torch.Tensor,
+             limit: float) -> torch.Tensor:
+    """Routed experts one by one over their (dequantised) weights, each on the rows that chose it: the
+    reference path (host-synchronising: the chosen experts and their rows are read on the host)."""
     idx = idx.long()
     y = torch.zeros_like(x)
     for e in idx.unique().tolist():
         t, slot = (idx == e).nonzero(as_tuple=True)
-        ex = experts[e]
-        out = swiglu_clamped(x[t], ex.weight("w1").to(x.dtype), ex.weight("w3").to(x.dtype),
-                             ex.weight("w2").to(x.dtype), limit)
-        y.index_add_(0, t, out * wts[t, slot, None].to(x.dtype))
+        y.index_add_(0, t, _expert_out(x[t], experts[e], limit) * wts[t, slot, None].to(x.dtype))
+    return y
+
+
+def masked_moe(x: torch.Tensor, experts: nn.ModuleList, idx: torch.Tensor, wts: torch.Tensor,
+               limit: float) -> torch.Tensor:
+    """``loop_moe`` without a host sync, for captured decode steps on the dequantised path: every expert
+    runs on every row and is weighted by that row's routing weight for it (0 when not chosen), in the
+    same expert order, so each row sums the same products (plus exact zeros).  E/k times the FLOPs."""
+    idx = idx.long()
+    y = torch.zeros_like(x)
+    for e, ex in enumerate(experts):
+        g = (wts * (idx == e)).sum(1, keepdim=True).to(x.dtype)
+        y += _expert_out(x, ex, limit) * g
     return y

@@ -39,8 +39,9 @@ from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fuse_rows_on_cuda,
-                                              fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe)
-from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode
+                                              fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
+                                              masked_moe)
+from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficients, hc_collapse, hc_post,
@@ -137,6 +138,9 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(plan.rope, cfg.qk_rope_head_dim), persistent=False)
         self.eps = float(cfg.rms_norm_eps)
         self.norm = fused_rms_norm if wf.cuda_fast else rms_norm
+        # the fast path's attention runs on bf16 queries (the GEMMs' own dtype): half the bytes, and the
+        # sparse-attention tiles fit the 64-head warp-group MMA config
+        self.q_dtype = torch.bfloat16 if wf.cuda_fast else None
         # engine caches (not parameters): registered in vLLM's forward context by prefix
         self.swa_cache = caches.SWACache(f"{prefix}.swa_cache", D, cfg.sliding_window,
                                          bounded_replay=bounded_replay)
@@ -386,11 +390,12 @@ class Attention(nn.Module):
             (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
         out_tok = step.take(tok, rows)
         xr, qr = step.take(x, rows), step.take(qr_all, rows)
-        q = self._rope(step, self.wq_b(qr).view(-1, cfg.num_attention_heads, D), step.take(step.positions, out_tok))
+        q_in = qr.to(self.q_dtype) if step.use_ops and self.q_dtype is not None else qr
+        q = self._rope(step, self.wq_b(q_in).view(-1, cfg.num_attention_heads, D), step.take(step.positions, out_tok))
         attend = self._attend_ops if step.use_ops else self._attend_torch
         o = attend(model, step, q, out_tok, xr, qr, floors)
         z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))
-        return self.wo_b(z.flatten(1))
+        return self.wo_b(z.flatten(1)).to(x.dtype)
 
 
 # --------------------------------------------------------------------------- MoE, Engram
@@ -451,7 +456,7 @@ class MoE(nn.Module):
         if self.marlin is not None:
             y = marlin_moe(x, self.marlin, idx, wts, self.limit)
         else:
-            y = loop_moe(x, self.experts, idx, wts, self.limit)
+            y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)
 
 

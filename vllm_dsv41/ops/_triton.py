@@ -3,7 +3,17 @@
 ``from vllm_dsv41.ops._triton import triton, tl, HAS_TRITON``: with the stand-in, ``@triton.jit`` leaves
 the function undecorated and ``tl.constexpr`` is a plain value, so a module defines its kernels either way
 and registers its Triton path only when ``HAS_TRITON``.
+
+Also :func:`launch_fitting`: a launch config that does not fit the GPU (shared memory, registers) steps
+down to the next smaller one instead of failing the request.
 """
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+logger = logging.getLogger(__name__)
 
 try:
     import triton
@@ -24,4 +34,40 @@ except ImportError:  # CPU-only wheels
 else:
     HAS_TRITON = True
 
-__all__ = ["triton", "tl", "HAS_TRITON"]
+
+_FITTED: dict[tuple, dict] = {}  # (kernel, wanted config, constexpr flags) -> the config that fits
+
+
+def launch_fitting(name: str, launch: Callable[[dict], None], configs: Iterable[dict], key: tuple) -> None:
+    """``launch(config)`` with the first of ``configs`` (best first) whose compiled kernel fits the GPU.
+
+    Triton compiles before it checks the kernel's shared memory against the device, so the same source
+    and config can fit under one Triton release and not under another, or with fp32 operands and not
+    bf16.  A config that raises ``OutOfResources`` (before anything runs) is skipped with a warning; the
+    winner is remembered per ``key`` (everything that changes the compiled kernel: shapes' constexprs,
+    dtypes, flags), so only the first launch of a key pays for the search.
+    """
+    configs = list(configs)
+    fitted = _FITTED.get((name, key))
+    if fitted is not None:
+        launch(fitted)
+        return
+    error = None
+    for cfg in configs:
+        try:
+            launch(cfg)
+        except Exception as e:
+            # triton.runtime.errors.OutOfResources, matched by name: this module imports without Triton
+            if type(e).__name__ != "OutOfResources":
+                raise
+            error = error or e
+            continue
+        _FITTED[(name, key)] = cfg
+        if cfg is not configs[0]:
+            logger.warning("vllm-dsv41: %s config %s does not fit this GPU (%s); using %s", name, configs[0],
+                           error, cfg)
+        return
+    raise RuntimeError(f"{name}: no launch config fits this GPU (tried {configs}): {error}") from error
+
+
+__all__ = ["triton", "tl", "HAS_TRITON", "launch_fitting"]

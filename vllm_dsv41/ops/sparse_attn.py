@@ -60,6 +60,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, triton_available
+from vllm_dsv41.ops._triton import launch_fitting
 from vllm_dsv41.reference.model import apply_rope, sparse_attention
 
 try:  # Triton is optional: the CPU wheels run the reference only
@@ -463,6 +464,18 @@ def default_config(T: int, Hq: int) -> dict:
     return {"BLOCK_H": bh, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
+def smaller_configs(config: dict) -> list[dict]:
+    """``config``, then the steps down :func:`~vllm_dsv41.ops._triton.launch_fitting` tries when it does
+    not fit the GPU's shared memory: one pipeline stage, then narrower key tiles, then 16-head tiles."""
+    out = [dict(config)]
+    if config.get("num_stages", 1) > 1:
+        out.append({**config, "num_stages": 1})
+    out += [{**config, "BLOCK_N": bn, "num_stages": 1} for bn in (32, 16) if bn < config["BLOCK_N"]]
+    if config["BLOCK_H"] > 16:
+        out.append({"BLOCK_H": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 2})
+    return out
+
+
 def plan_splits(T: int, Hq: int, W: int, K: int, device: torch.device,
                 num_splits: int | None = None) -> tuple[int, int, int]:
     """(W_pad, keys_per_split, splits) of the virtual key list [SWA 0..W_pad) + [compressed K)."""
@@ -549,12 +562,16 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
     if config is None and os.environ.get(AUTOTUNE_ENV, "0") != "1":
         config = default_config(T, Hq)
     if config is not None:
-        cfg = dict(config)
-        bh, bn = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
-        if SPLIT_ALIGN % bn:
+        if SPLIT_ALIGN % config["BLOCK_N"]:
             raise ValueError(f"sparse_attn: BLOCK_N must divide {SPLIT_ALIGN}")
-        grid = (T * S * triton.cdiv(Hq, bh),)
-        _sparse_attn_kernel[grid](*args, BLOCK_H=bh, BLOCK_N=bn, **flags, **cfg)
+
+        def launch(cfg: dict) -> None:
+            cfg = dict(cfg)
+            bh = cfg.pop("BLOCK_H")
+            _sparse_attn_kernel[(T * S * triton.cdiv(Hq, bh),)](*args, BLOCK_H=bh, **flags, **cfg)
+
+        key = (tuple(sorted(config.items())), tuple(sorted(flags.items())), q.dtype, Hq, S > 1)
+        launch_fitting("sparse_attn", launch, smaller_configs(config), key)
     else:
         def grid(meta):
             return (T * S * triton.cdiv(Hq, meta["BLOCK_H"]),)

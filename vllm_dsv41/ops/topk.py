@@ -122,7 +122,8 @@ def indices_to_mask(indices: torch.Tensor, n_cols: int) -> torch.Tensor:
 def blocks_to_mask(block_ids: torch.Tensor, block_size: int, n_cols: int) -> torch.Tensor:
     """[T, n_blocks] block ids (-1 = none) -> bool [T, n_cols] (``candidate_mask`` form)."""
     nb = -(-n_cols // block_size)
-    return indices_to_mask(block_ids, nb).repeat_interleave(block_size, dim=1)[:, :n_cols]
+    mask = indices_to_mask(block_ids, nb)  # [T, nb] -> each block's flag over its block_size columns
+    return mask[:, :, None].expand(-1, nb, block_size).reshape(mask.shape[0], nb * block_size)[:, :n_cols]
 
 
 # --------------------------------------------------------------------------- Triton kernels
