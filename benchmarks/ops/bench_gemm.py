@@ -1,0 +1,147 @@
+"""Dense FP8 GEMMs and the MXFP4 MoE at the bench shapes: which Hopper path to use.
+
+The checkpoint's dense weights are E4M3 with one UE8M0 scale per 32x32 tile.  Candidates (vLLM 0.32
+on an H200), each timed at the token counts of decode (1..64) and prefill (512..16384):
+
+- ``marlin``:      what the model runs: Marlin W8A16 MXFP8 (tiles -> 1x32 row scales, exact repack),
+                   bf16 activations (``QuantLinear.finalize``);
+- ``bf16``:        cuBLAS on the dequantised weights in bf16 (2x the weight bytes; the W16A16 bound);
+- ``fp8-cutlass``: W8A8 DeepSeek-V3 style: activations quantised per 1x128 group, weights re-blocked to
+                   128x128 UE8M0 scales, vLLM's CUTLASS blockwise ``cutlass_scaled_mm`` (the quantise
+                   kernel included in the time);
+- ``fp8-triton``:  the same operands through vLLM's Triton ``w8a8_triton_block_scaled_mm``.
+
+Re-blocking 32x32 power-of-two scales to 128x128 keeps every weight whose tile scale equals the block's
+largest; the others shift by a power of two (exact unless they underflow E4M3).  The error column is
+the relative Frobenius error against the fp32 product of the bf16-rounded input and the checkpoint's
+dequantised weights.  Then the routed experts (E 32, top-6, MXFP4) through ``fused_marlin_moe``.
+
+    PYTHONPATH=/tmp/site python3 benchmarks/ops/bench_gemm.py [--tokens 1 16 64 512 4096 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _common import HBM_BYTES_PER_S, open_gpu
+from vllm_dsv41 import formats
+from vllm_dsv41.model_executor.linear import Expert, QuantLinear, marlin_expert_stack, marlin_moe
+
+# (name, N, K) of the bench config's dense GEMMs (hidden 5120, q_lora 1280, 64 x 512 heads, o_lora 1024)
+SHAPES = [("wq_a+wkv", 1280 + 512, 5120), ("wq_b", 64 * 512, 1280), ("wo_a group", 1024, 8 * 512),
+          ("wo_b", 5120, 8 * 1024), ("shared w1+w3", 2 * 2304, 5120), ("shared w2", 5120, 2304)]
+E, TOPK, H, I = 32, 6, 5120, 2304
+
+
+def time_us(fn, iters: int = 50) -> float:
+    """Median µs of ``fn()`` over ``iters`` CUDA-event-timed calls, after a warm-up."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.float() - ref).norm() / ref.norm()).item()
+
+
+def reblock_128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [N, K] -> (E4M3 [N, K], fp32 [N/128, K/128]) with power-of-two block scales."""
+    N, K = w.shape
+    blocks = w.view(N // 128, 128, K // 128, 128)
+    amax = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    q = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).view(N, K)
+    return q, scale
+
+
+def dense_rows(M: int, N: int, K: int) -> list[tuple[str, float, float]]:
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import (per_token_group_quant_fp8,
+                                                                         w8a8_triton_block_scaled_mm)
+
+    lin = QuantLinear(N, K, quant=True).cuda()
+    w8, s = formats.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.05, 32)
+    lin.weight.data.copy_(w8)
+    lin.scale.data.copy_(formats.as_uint8(s))
+    w = lin.dequantized().float()
+    lin.finalize()
+    x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+    ref = x.float() @ w.t()
+    wb = w.to(torch.bfloat16)
+    wq, ws = reblock_128(w)
+    wq_t, ws_t = wq.t(), ws.t()  # CUTLASS takes B and its block scales column-major ([K, N] views)
+
+    def cutlass():
+        q, sa = per_token_group_quant_fp8(x, 128, column_major_scales=True, use_ue8m0=True)
+        return ops.cutlass_scaled_mm(q, wq_t, sa, ws_t, torch.bfloat16)
+
+    def triton_fp8():
+        q, sa = per_token_group_quant_fp8(x, 128, use_ue8m0=True)
+        return w8a8_triton_block_scaled_mm(q, wq, sa, ws, [128, 128], torch.bfloat16)
+
+    rows = []
+    for name, fn in (("marlin", lambda: lin(x)), ("bf16", lambda: torch.nn.functional.linear(x, wb)),
+                     ("fp8-cutlass", cutlass), ("fp8-triton", triton_fp8)):
+        try:
+            rows.append((name, time_us(fn), rel_err(fn(), ref)))
+        except Exception as e:  # a path this build lacks: say so, keep the others
+            print(f"    {name}: unavailable ({type(e).__name__}: {str(e)[:120]})")
+    return rows
+
+
+def moe_row(T: int, stack, limit: float) -> tuple[float, int]:
+    x = torch.randn(T, H, device="cuda") * 0.5
+    logits = torch.randn(T, E, device="cuda")
+    wts, idx = torch.softmax(logits, -1).topk(TOPK, -1)
+    return time_us(lambda: marlin_moe(x, stack, idx, wts, limit)), idx.unique().numel()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 512, 4096, 16384])
+    ap.add_argument("--no-moe", action="store_true")
+    args = ap.parse_args()
+    if open_gpu("bench_gemm") is None:
+        return 0
+    print(f"{'GEMM':>13} {'N x K':>12} {'M':>6} {'path':>12} {'µs':>9} {'TFLOP/s':>8} {'weight GB/s':>11} "
+          f"{'% 4.8TB/s':>9} {'rel err':>8}")
+    for label, N, K in SHAPES:
+        for M in args.tokens:
+            for name, us, err in dense_rows(M, N, K):
+                wbytes = N * K * (2 if name == "bf16" else 1)
+                print(f"{label:>13} {f'{N}x{K}':>12} {M:>6} {name:>12} {us:9.1f} {2 * M * N * K / us / 1e6:8.1f} "
+                      f"{wbytes / us / 1e3:11.0f} {100 * wbytes / us / 1e-6 / HBM_BYTES_PER_S:8.1f}% {err:8.1e}")
+    if args.no_moe:
+        return 0
+    experts = torch.nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
+    for ex in experts:
+        for name, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            packed, scale = formats.quant_mxfp4(torch.randn(*shape, device="cuda") * 0.05)
+            getattr(ex, name).weight.data.copy_(packed.view(torch.int8))
+            getattr(ex, name).scale.data.copy_(formats.as_uint8(scale))
+    stack = marlin_expert_stack(experts)
+    del experts
+    per_expert = 3 * H * I // 2  # MXFP4 bytes (scales aside)
+    print(f"\nrouted experts, fused_marlin_moe: E={E} top-{TOPK} H={H} I={I} MXFP4")
+    print(f"{'T':>6} {'experts hit':>11} {'µs':>9} {'weight GB/s':>11} {'% 4.8TB/s':>9} {'TFLOP/s':>8}")
+    for T in args.tokens:
+        us, hit = moe_row(T, stack, 10.0)
+        wbytes = hit * per_expert
+        print(f"{T:>6} {hit:>11} {us:9.1f} {wbytes / us / 1e3:11.0f} "
+              f"{100 * wbytes / us / 1e-6 / HBM_BYTES_PER_S:8.1f}% {2 * T * TOPK * 3 * H * I / us / 1e6:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
