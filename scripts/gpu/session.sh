@@ -3,6 +3,7 @@
 # Logs go under $OUT.  Each step stays under the device tool's 10-minute call limit.
 #   scripts/gpu/session.sh ops             # every op against its reference on the GPU (tests/ops)
 #   scripts/gpu/session.sh tests           # Marlin layers, tiny and small models end to end (pytest -m gpu)
+#   scripts/gpu/session.sh profile         # kernels of a bench decode step (graphs, eager) and a 16k prefill
 #   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block) and swa_insert micro-benchmarks
 #   scripts/gpu/session.sh sbs builtin     # side-by-side workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin, then the merged table
@@ -20,6 +21,9 @@ case "${1:-}" in
   tests)
     timeout 560 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu > "$OUT/gpu-tests.log" 2>&1
     grep -E "passed|failed|error|equal|divergence|rel err" "$OUT/gpu-tests.log" | tail -40 ;;
+  profile)
+    timeout 560 python3 scripts/gpu/profile_steps.py /tmp/bench > "$OUT/profile.log" 2>&1
+    grep -vE "^(\(|INFO|WARNING|\[)" "$OUT/profile.log" | tail -100 | cut -c1-220 ;;
   bench)
     timeout 330 python3 benchmarks/ops/bench_gemm.py > "$OUT/bench-gemm.log" 2>&1
     timeout 150 python3 benchmarks/ops/bench_swa_insert.py > "$OUT/bench-swa-insert.log" 2>&1
@@ -33,5 +37,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$OUT/sbs-$impl.log" 2>&1
     grep -hE "^\[$impl\]" "$OUT"/sbs/"$impl"*.log | cut -c1-400
     cat "$OUT/sbs/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | sbs builtin|plugin" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | profile | sbs builtin|plugin" >&2; exit 2 ;;
 esac
