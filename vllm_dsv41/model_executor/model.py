@@ -414,13 +414,17 @@ class SharedExpert(nn.Module):
         self.w13 = fuse_rows_on_cuda(self.w1, self.w3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The clamped SwiGLU of ``swiglu_clamped`` over this expert's FP8 weights."""
+        """The clamped SwiGLU of ``swiglu_clamped`` over this expert's FP8 weights; on the fast path one
+        Marlin GEMM for [w1; w3] and vLLM's fused ``silu(min(a, L)) * clamp(b, -L, L)`` kernel."""
         if self.w13 is None:
             a, b = self.w1(x), self.w3(x)
-        else:
-            y = self.w13(x)
-            a, b = y[:, : self.inter], y[:, self.inter:]
-        return self.w2(torch.nn.functional.silu(a.clamp(max=self.limit)) * b.clamp(-self.limit, self.limit))
+            return self.w2(torch.nn.functional.silu(a.clamp(max=self.limit)) * b.clamp(-self.limit, self.limit))
+        from vllm.model_executor.layers.fused_moe.activation import silu_and_mul_with_clamp
+
+        y = self.w13(x)
+        h = y.new_empty(y.shape[0], self.inter)
+        silu_and_mul_with_clamp(h, y, self.limit)
+        return self.w2(h)
 
 
 class Gate(nn.Module):
@@ -453,10 +457,10 @@ class MoE(nn.Module):
             idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
         else:
             idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
-        if self.marlin is not None:
-            y = marlin_moe(x, self.marlin, idx, wts, self.limit)
-        else:
-            y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
+        if self.marlin is not None:  # bf16 into both expert paths (one cast), the sum in x's dtype
+            xb = x.to(torch.bfloat16)
+            return marlin_moe(xb, self.marlin, idx, wts, self.limit).to(x.dtype).add_(self.shared_experts(xb))
+        y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)
 
 
