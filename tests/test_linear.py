@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from vllm_dsv41 import formats
-from vllm_dsv41.model_executor.linear import QuantLinear, fused_rms_norm, weights_mode
+from vllm_dsv41.model_executor.linear import QuantLinear, fused_rms_norm, grouped_by_all_pairs, weights_mode
 from vllm_dsv41.reference.model import rms_norm
 
 
@@ -30,6 +30,26 @@ def test_quant_linear_keeps_bytes_and_dequantises_exactly(groups):
     x = torch.randn(3, groups, K, generator=g) if groups > 1 else torch.randn(3, K, generator=g)
     want = (torch.einsum("tgk,gok->tgo", x, ref.view(groups, N // groups, K)) if groups > 1 else x @ ref.t())
     assert torch.equal(lin(x), want)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_grouped_by_all_pairs_takes_the_diagonal_blocks(T):
+    """One GEMM over all of a grouped layer's rows, then group g's slice through group g's rows: the grouped
+    product (the Marlin decode path of the grouped wo_a, here with a plain matmul as the GEMM)."""
+    g = torch.Generator().manual_seed(2)
+    G, O, K = 8, 16, 24
+    w, x = torch.randn(G * O, K, generator=g), torch.randn(T, G, K, generator=g)
+    calls = []
+
+    def gemm(a):
+        calls.append(a.shape)
+        return a @ w.t()
+
+    got = grouped_by_all_pairs(gemm, x)
+    want = torch.einsum("tgk,gok->tgo", x, w.view(G, O, K))
+    assert calls == [(T * G, K)] and got.shape == (T, G, O)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got.flatten(1), got.reshape(T, G * O))
 
 
 def test_weights_mode(monkeypatch):

@@ -14,7 +14,8 @@ on an H200), each timed at the token counts of decode (1..64) and prefill (512..
 Re-blocking 32x32 power-of-two scales to 128x128 keeps every weight whose tile scale equals the block's
 largest; the others shift by a power of two (exact unless they underflow E4M3).  The error column is
 the relative Frobenius error against the fp32 product of the bf16-rounded input and the checkpoint's
-dequantised weights.  Then the routed experts (E 32, top-6, MXFP4) through ``fused_marlin_moe``.
+dequantised weights.  Then the grouped ``wo_a`` (per-group Marlin GEMMs, one all-rows GEMM + diagonal,
+bf16 batched GEMM) and the routed experts (E 32, top-6, MXFP4) through ``fused_marlin_moe``.
 
     PYTHONPATH=/tmp/site python3 benchmarks/ops/bench_gemm.py [--tokens 1 16 64 512 4096 16384]
 """
@@ -100,6 +101,32 @@ def dense_rows(M: int, N: int, K: int) -> list[tuple[str, float, float]]:
     return rows
 
 
+def grouped_rows(T: int, G: int = 8, O: int = 1024, K: int = 4096) -> list[tuple[str, float, float]]:
+    """The grouped wo_a: one Marlin GEMM per group, one over all rows + diagonal (``grouped_by_all_pairs``),
+    and a bf16 batched GEMM on dequantised weights."""
+    lin = QuantLinear(G * O, K, quant=True, groups=G).cuda()
+    w8, s = formats.quant_fp8_block(torch.randn(G * O, K, device="cuda") * 0.05, 32)
+    lin.weight.data.copy_(w8)
+    lin.scale.data.copy_(formats.as_uint8(s))
+    w = lin.dequantized().float().view(G, O, K)
+    lin.finalize()
+    x = torch.randn(T, G, K, device="cuda").to(torch.bfloat16)
+    ref = torch.einsum("tgk,gok->tgo", x.float(), w)
+    wb = w.to(torch.bfloat16)
+
+    def with_limit(rows: int):
+        def run():
+            lin.ALL_PAIRS_MAX_ROWS = rows
+            return lin(x).flatten(1)  # the caller's flatten (a copy for the all-pairs view)
+        return run
+
+    rows = []
+    for name, fn in (("per-group", with_limit(0)), ("all-pairs", with_limit(1 << 30)),
+                     ("bf16-bmm", lambda: torch.einsum("tgk,gok->tgo", x, wb).flatten(1))):
+        rows.append((name, time_us(fn), rel_err(fn().view(T, G, O), ref)))
+    return rows
+
+
 def moe_row(T: int, stack, limit: float) -> tuple[float, int]:
     x = torch.randn(T, H, device="cuda") * 0.5
     logits = torch.randn(T, E, device="cuda")
@@ -122,6 +149,11 @@ def main() -> int:
                 wbytes = N * K * (2 if name == "bf16" else 1)
                 print(f"{label:>13} {f'{N}x{K}':>12} {M:>6} {name:>12} {us:9.1f} {2 * M * N * K / us / 1e6:8.1f} "
                       f"{wbytes / us / 1e3:11.0f} {100 * wbytes / us / 1e-6 / HBM_BYTES_PER_S:8.1f}% {err:8.1e}")
+    print("\ngrouped wo_a: 8 groups of 1024 x 4096")
+    print(f"{'T':>6} {'path':>10} {'µs':>9} {'rel err':>8}")
+    for T in args.tokens:
+        for name, us, err in grouped_rows(T):
+            print(f"{T:>6} {name:>10} {us:9.1f} {err:8.1e}")
     if args.no_moe:
         return 0
     experts = torch.nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()

@@ -46,15 +46,19 @@ def test_marlin_fp8_linear(T, N, K):
     assert got.dtype == x.dtype and err < REL_TOL
 
 
-def test_marlin_grouped_wo_a():
+@pytest.mark.parametrize("T", [1, 5, 40], ids=["all-pairs-1", "all-pairs-5", "per-group-40"])
+def test_marlin_grouped_wo_a(T):
+    """Up to QuantLinear.ALL_PAIRS_MAX_ROWS rows (T x 8) as one GEMM over all rows + diagonal blocks, more as
+    one GEMM per group."""
     G, O, K = 8, 1024, 4096
     lin = _fp8_linear(G * O, K, groups=G)
-    x = torch.randn(5, G, K, device="cuda")
+    x = torch.randn(T, G, K, device="cuda")
     ref = torch.einsum("tgk,gok->tgo", x.to(torch.bfloat16).float(), lin.dequantized().view(G, O, K))
     lin.finalize()
-    err = _rel(lin(x), ref)
-    print(f"marlin grouped wo_a: rel err {err:.2e}")
-    assert err < REL_TOL
+    got = lin(x)
+    err = _rel(got, ref)
+    print(f"marlin grouped wo_a T={T}: rel err {err:.2e}")
+    assert got.shape == (T, G, O) and err < REL_TOL
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 512])
