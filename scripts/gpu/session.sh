@@ -4,7 +4,7 @@
 #   scripts/gpu/session.sh ops             # every op against its reference on the GPU (tests/ops)
 #   scripts/gpu/session.sh tests           # Marlin layers, tiny and small models end to end (pytest -m gpu)
 #   scripts/gpu/session.sh profile         # kernels of a bench decode step (graphs, eager) and a 16k prefill
-#   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block) and swa_insert micro-benchmarks
+#   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block), swa_insert, rope, paged_rows
 #   scripts/gpu/session.sh sbs builtin     # side-by-side workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin, then the merged table
 set -uo pipefail
@@ -26,8 +26,9 @@ case "${1:-}" in
     grep -vE "^(\(|INFO|WARNING|\[)" "$OUT/profile.log" | tail -100 | cut -c1-220 ;;
   bench)
     timeout 330 python3 benchmarks/ops/bench_gemm.py > "$OUT/bench-gemm.log" 2>&1
-    timeout 150 python3 benchmarks/ops/bench_swa_insert.py > "$OUT/bench-swa-insert.log" 2>&1
-    cat "$OUT/bench-gemm.log" "$OUT/bench-swa-insert.log" | cut -c1-200 | tail -80 ;;
+    timeout 100 python3 benchmarks/ops/bench_swa_insert.py > "$OUT/bench-swa-insert.log" 2>&1
+    timeout 100 python3 benchmarks/ops/bench_rope_paged_rows.py > "$OUT/bench-rope-paged-rows.log" 2>&1
+    cat "$OUT"/bench-*.log | cut -c1-200 | tail -120 ;;
   sbs)
     impl=${2:?builtin or plugin}
     # the throughput targets compare the two stacks; the no-crash sweep is the plugin's target only
