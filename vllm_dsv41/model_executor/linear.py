@@ -66,6 +66,16 @@ class WeightFormat:
         return WeightFormat(quant, torch.bfloat16 if fast else torch.float32, fast)
 
 
+#: The activation dtype vLLM's Marlin kernels take (and return).
+MARLIN_INPUT_DTYPE = torch.bfloat16
+
+
+def on_marlin_device(t: torch.Tensor) -> bool:
+    """Whether a weight on ``t``'s device is repacked for Marlin (CUDA; a CPU test emulates it by patching
+    this and vLLM's Marlin entry points)."""
+    return t.device.type == "cuda"
+
+
 def fused_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """vLLM's one-kernel RMSNorm (``_C.rms_norm``; fp32 statistics) for the fast CUDA path; the
     reference ``rms_norm`` takes five kernels."""
@@ -179,7 +189,7 @@ class QuantLinear(nn.Module):
 
     def finalize(self) -> None:
         """After loading: repack for Marlin when the weight lives on CUDA."""
-        if not self.quant or getattr(self, "retired", False) or self.weight.device.type != "cuda":
+        if not self.quant or getattr(self, "retired", False) or not on_marlin_device(self.weight):
             return
         rows = self.out_features // self.groups
         if rows % 32:
@@ -211,7 +221,7 @@ class QuantLinear(nn.Module):
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
         G = self.groups
         if self.marlin is not None:
-            xb = x.to(torch.bfloat16)
+            xb = x.to(MARLIN_INPUT_DTYPE)
             if G == 1:
                 return self._marlin_gemm(xb, 0).to(x.dtype)
             if x.shape[0] * G <= self.ALL_PAIRS_MAX_ROWS:
@@ -239,7 +249,7 @@ def concat_rows(*parts: QuantLinear) -> QuantLinear:
 def fuse_rows_on_cuda(*parts: QuantLinear) -> QuantLinear | None:
     """On the fast CUDA path (quantised parts on CUDA, whole 32-row tiles, before their own finalize): the
     parts as one repacked :func:`concat_rows` layer, the parts retired; otherwise None (parts unchanged)."""
-    if not all(p.quant and not getattr(p, "retired", False) and p.weight.device.type == "cuda"
+    if not all(p.quant and not getattr(p, "retired", False) and on_marlin_device(p.weight)
                and p.groups == 1 and p.out_features % 32 == 0 for p in parts):
         return None
     fused = concat_rows(*parts)
@@ -295,7 +305,7 @@ def marlin_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tens
     from vllm.scalar_type import scalar_types
 
     w13, w2, s13, s2 = stack
-    y = fused_marlin_moe(x.to(torch.bfloat16).contiguous(), w13, w2, None, None, s13, s2,
+    y = fused_marlin_moe(x.to(MARLIN_INPUT_DTYPE).contiguous(), w13, w2, None, None, s13, s2,
                          wts.float().contiguous(), idx.to(torch.int32).contiguous(),
                          quant_type_id=scalar_types.float4_e2m1f.id, activation=MoEActivation.SILU,
                          activation_config=ApplyMoEActivationConfig(clamp_limit=limit))

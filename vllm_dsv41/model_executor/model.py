@@ -40,7 +40,7 @@ from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fuse_rows_on_cuda,
                                               fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
-                                              masked_moe)
+                                              masked_moe, on_marlin_device)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -138,9 +138,9 @@ class Attention(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(plan.rope, cfg.qk_rope_head_dim), persistent=False)
         self.eps = float(cfg.rms_norm_eps)
         self.norm = fused_rms_norm if wf.cuda_fast else rms_norm
-        # the fast path's attention runs on bf16 queries (the GEMMs' own dtype): half the bytes, and the
+        # the fast path's attention runs on queries in the GEMMs' own dtype (bf16): half the bytes, and the
         # sparse-attention tiles fit the 64-head warp-group MMA config
-        self.q_dtype = torch.bfloat16 if wf.cuda_fast else None
+        self.q_dtype = wf.dense_dtype if wf.cuda_fast else None
         # engine caches (not parameters): registered in vLLM's forward context by prefix
         self.swa_cache = caches.SWACache(f"{prefix}.swa_cache", D, cfg.sliding_window,
                                          bounded_replay=bounded_replay)
@@ -445,10 +445,11 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(H, I, wf.quant) for _ in range(plan.n_routed_experts))
         self.shared_experts = SharedExpert(H, I * cfg.n_shared_experts, wf.quant, self.limit)
         self.marlin: tuple[torch.Tensor, ...] | None = None  # stacked MXFP4 experts (quantised, CUDA)
+        self.act_dtype = wf.dense_dtype  # the experts' input dtype on the fast path
 
     def finalize(self) -> None:
         """After loading: quantised experts on CUDA become one Marlin MXFP4 stack."""
-        if self.experts[0].quant and self.gate.weight.device.type == "cuda":
+        if self.experts[0].quant and on_marlin_device(self.gate.weight):
             self.marlin = marlin_expert_stack(self.experts)
             del self.experts
 
@@ -458,7 +459,7 @@ class MoE(nn.Module):
         else:
             idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
         if self.marlin is not None:  # bf16 into both expert paths (one cast), the sum in x's dtype
-            xb = x.to(torch.bfloat16)
+            xb = x.to(self.act_dtype)
             return marlin_moe(xb, self.marlin, idx, wts, self.limit).to(x.dtype).add_(self.shared_experts(xb))
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)

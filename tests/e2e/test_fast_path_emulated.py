@@ -1,0 +1,169 @@
+"""The fast CUDA path's Python on CPU: vLLM's Marlin entry points replaced by plain stand-ins.
+
+The fast path (``WeightFormat.cuda_fast``: Marlin FP8 / MXFP4 weights, bf16 dense weights, fused RMSNorm, bf16
+queries, the fused shared expert, the grouped ``wo_a`` as one all-rows GEMM at decode) only runs on CUDA,
+where a wiring mistake (a dtype, a shape, a host read inside a captured step) costs a GPU session.  Here the
+tiny checkpoint is served through that code with the five vLLM kernels it calls swapped for stand-ins that
+take and return what the kernels do (products of the dequantised weights, the clamped SwiGLU, the routed
+experts without a host read).  In bf16 (the fast path's dtypes): served eagerly and as the padded static
+decode steps that CUDA captures, under the host-read probe of ``test_padded_static_decode_steps``.  In
+fp32 (the same code with fp32 in place of bf16): every logit equals the dequantised path's to fp32
+rounding, which checks the numerics of the wiring (the grouped all-rows GEMM's diagonal, the fused
+[w1; w3] split, the shared cast).  The CUDA arithmetic itself is checked on the GPU (``tests/gpu``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e.conftest import engine
+from tests.e2e.test_engine_vs_reference import _RAW_LOGITS, _HostReads, _assert_logits_close, _generate, _vocab_logits
+from vllm_dsv41 import formats
+from vllm_dsv41.checkpoint import E8M0
+from vllm_dsv41.model_executor import linear
+
+pytestmark = pytest.mark.engine
+
+
+def _prepare_mxfp8(shim) -> None:
+    """FP8 [N, K] + UE8M0 row scales [N, K/32] -> the dequantised weight (fp32; the scale unused)."""
+    scale = formats.e8m0_to_float(shim.weight_scale.data.view(E8M0)).repeat_interleave(32, 1)
+    shim.weight.data = shim.weight.data.float() * scale[:, : shim.weight.shape[1]]
+
+
+def _apply_mxfp8(input, weight, weight_scale, workspace, size_n, size_k, **_):
+    assert input.dtype == linear.MARLIN_INPUT_DTYPE and input.shape[-1] == size_k
+    assert weight.shape == (size_n, size_k)
+    return input @ weight.to(input.dtype).t()
+
+
+def _prepare_moe(layer, w13, w2, s13, s2, *_):
+    def deq(w, s):
+        return torch.stack([formats.dequant_mxfp4(w[e].view(torch.int8), s[e].view(E8M0))
+                            for e in range(w.shape[0])])
+
+    return deq(w13, s13), deq(w2, s2), s13, s2, None, None
+
+
+def _silu_clamp(a: torch.Tensor, limit: float) -> torch.Tensor:
+    n = a.shape[-1] // 2
+    g, u = a[..., :n].float().clamp(max=limit), a[..., n:].float().clamp(-limit, limit)
+    return (torch.nn.functional.silu(g) * u).to(a.dtype)
+
+
+def _fused_marlin_moe(x, w13, w2, b1, b2, s13, s2, wts, idx, *, activation_config, **_):
+    assert x.dtype == linear.MARLIN_INPUT_DTYPE and wts.dtype == torch.float32 and idx.dtype == torch.int32
+    y = torch.zeros_like(x, dtype=torch.float32)
+    for e in range(w13.shape[0]):  # every expert on every row: no host read, as inside a captured graph
+        h = _silu_clamp(x @ w13[e].to(x.dtype).t(), activation_config.clamp_limit) @ w2[e].to(x.dtype).t()
+        y += h.float() * (wts * (idx == e)).sum(1, keepdim=True)
+    return y.to(x.dtype)
+
+
+def _silu_and_mul_with_clamp(out, inp, limit, *_):
+    assert out.dtype == inp.dtype and out.shape[-1] * 2 == inp.shape[-1]
+    out.copy_(_silu_clamp(inp, limit))
+
+
+def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
+    import vllm.model_executor.layers.fused_moe.activation as act
+    import vllm.model_executor.layers.fused_moe.experts.marlin_moe as moe
+    import vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 as fp4
+    import vllm.model_executor.layers.quantization.utils.marlin_utils_fp8 as fp8
+
+    from vllm_dsv41.model_executor import model
+
+    monkeypatch.setattr(linear, "MARLIN_INPUT_DTYPE", dtype)
+    monkeypatch.setattr(fp8, "prepare_mxfp8_layer_for_marlin", _prepare_mxfp8)
+    monkeypatch.setattr(fp8, "apply_mxfp8_marlin_linear", _apply_mxfp8)
+    monkeypatch.setattr(fp4, "prepare_moe_mxfp4_layer_for_marlin", _prepare_moe)
+    monkeypatch.setattr(moe, "fused_marlin_moe", _fused_marlin_moe)
+    monkeypatch.setattr(act, "silu_and_mul_with_clamp", _silu_and_mul_with_clamp)
+    for mod in (linear, model):
+        monkeypatch.setattr(mod, "on_marlin_device", lambda t: True)
+    monkeypatch.setattr(linear.WeightFormat, "choose", staticmethod(lambda exact: linear.WeightFormat(True, dtype, True)))
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+
+
+def _layout(m, dtype: torch.dtype) -> dict:
+    """Which fast-path pieces the served model holds."""
+    attn = [layer.attn for layer in m.model.layers]
+    ffn = [layer.ffn for layer in m.model.layers]
+    return {
+        "cuda_fast": m.weights.cuda_fast,
+        "q_dtype": {a.q_dtype for a in attn} == {dtype},
+        "wqkv_a fused": all(a.wqkv_a is not None for a in attn),
+        "wo_a all rows": all(a.wo_a.marlin_all is not None for a in attn),
+        "experts stacked": all(f.marlin is not None for f in ffn),
+        "shared w13": all(f.shared_experts.w13 is not None for f in ffn),
+        "head": m.head.weight.dtype == dtype,
+    }
+
+
+FAST_LAYOUT = {"cuda_fast": True, "q_dtype": True, "wqkv_a fused": True, "wo_a all rows": True, "experts stacked": True,
+               "shared w13": True, "head": True}
+
+
+def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
+    """bf16: the tiny model through the fast path's code, eager and as padded static decode steps: the
+    layout is the fast one, every logit is finite, no op inside a static step reads a device value on the
+    host, and the static steps give the eager run's greedy tokens."""
+    from vllm_dsv41.model_executor import graphs
+
+    _emulate_fast_path(monkeypatch, torch.bfloat16)
+
+    probe = _HostReads()
+    run = graphs.DecodeGraphs.run
+
+    def run_probed(self, *a, **k):
+        model = self.run_model
+
+        def probed(step):
+            with probe:
+                return model(step)
+
+        self.run_model = probed
+        try:
+            return run(self, *a, **k)
+        finally:
+            self.run_model = model
+
+    monkeypatch.setattr(graphs.DecodeGraphs, "run", run_probed)
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
+    runs = {}
+    for mode in ("0", "static"):
+        monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", mode)
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            layout = llm.apply_model(lambda m: _layout(m, torch.bfloat16))[0]
+            outs = _generate(llm, prompts, logits=True)
+            runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
+    assert layout == FAST_LAYOUT, layout
+    for tokens, logits in runs.values():
+        assert all(len(t) == 8 for t in tokens) and all(torch.isfinite(lg).all() for lg in logits)
+    assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
+    same = sum(a == b for a, b in zip(*(r[0] for r in runs.values())))
+    worst = max((a[0] - b[0]).abs().max().item() for a, b in zip(runs["0"][1], runs["static"][1]))
+    print(f"emulated fast path: static vs eager decode: {same}/{len(prompts)} prompts' tokens equal, "
+          f"step-0 |logit difference| {worst:.2e}")
+    assert worst == 0.0  # step 0 is the prefill, eager in both runs
+    assert same == len(prompts)
+
+
+def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch):
+    """fp32: the fast path's code with fp32 where the GPU uses bf16 gives the dequantised ops path's logits
+    (every step, whole vocabulary) to fp32 rounding: the fused GEMMs' splits, the grouped wo_a's all-rows
+    diagonal at decode and per-group GEMMs at prefill, the shared expert and the routed stack compute
+    the same products."""
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
+    if (None, "1") not in _RAW_LOGITS:
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            _RAW_LOGITS[(None, "1")] = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
+    _emulate_fast_path(monkeypatch, torch.float32)
+    with engine(tiny_ckpt, exact=True, **kw) as llm:
+        layout = llm.apply_model(lambda m: _layout(m, torch.float32))[0]
+        got = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
+    assert layout == FAST_LAYOUT, layout
+    worst = _assert_logits_close(_RAW_LOGITS[(None, "1")], got, "emulated fast path (fp32) and dequantised path")
+    print(f"emulated fast path in fp32 vs dequantised: largest |logit difference| {worst:.2e}")
