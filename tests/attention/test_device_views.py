@@ -37,6 +37,9 @@ def test_flat_rows_address_the_same_bytes(row, block_stride, offset):
     flat, bstep, rstep = layer.flat_rows()
     fs = layer.flat_slots(slots)
     assert fs[0] == -1 and (fs[1:] >= 0).all()
+    every = torch.cat((torch.full((3,), -1), torch.arange(nb * rows)))
+    want = torch.where(every >= 0, every // rows * bstep + every % rows * rstep, -1)
+    assert torch.equal(layer.flat_slots(every), want)
     assert torch.equal(flat[fs[1:]], recs[1:]) and torch.equal(layer.read(slots[1:]), recs[1:])
     if block_stride == rows * row:
         assert torch.equal(fs, slots)  # dense blocks: the identity

@@ -27,22 +27,29 @@ def test_cpu_op_is_the_reference():
 
     x, pos, inv = make_case(5, 3, 64, 16, 0)
     assert torch.equal(torch.ops.dsv41.rope(x, pos, inv), apply_rope(x, pos, inv))
+    xb = x.to(torch.bfloat16)  # bf16 in, bf16 out (the rotation in fp32), as the kernel
+    got = torch.ops.dsv41.rope(xb, pos, inv)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, apply_rope(xb.float(), pos, inv).to(torch.bfloat16))
 
 
-def _kernel_vs_ref(T, H, D, R, start, device):
-    from vllm_dsv41.ops.rope import _rope_triton
+def _kernel_vs_ref(T, H, D, R, start, device, dtype=torch.float32):
+    from vllm_dsv41.ops.rope import _rope_triton, rope_ref
 
     x, pos, inv = make_case(T, H, D, R, start, device)
+    x = x.to(dtype)
     got = _rope_triton(x, pos, inv)
-    ref = apply_rope(x.cpu(), pos.cpu(), inv.cpu())
+    ref = rope_ref(x.cpu(), pos.cpu(), inv.cpu())
+    assert got.dtype == ref.dtype == dtype
     assert torch.equal(got.cpu()[..., : D - R], x.cpu()[..., : D - R]), "NoPE dims changed"
-    assert_close(f"rope T={T} H={H} D={D} R={R} start={start}", ref, got.cpu(), ratio=1e-5)
+    assert_close(f"rope T={T} H={H} D={D} R={R} start={start} {dtype}", ref.float(), got.cpu().float(),
+                 ratio=1e-5 if dtype == torch.float32 else 1e-2)
 
 
 def _interpreter_main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
     _kernel_vs_ref(7, 4, 64, 16, 0, "cpu")
     _kernel_vs_ref(3, 2, 512, 64, 60000, "cpu")
+    _kernel_vs_ref(3, 2, 512, 64, 60000, "cpu", torch.bfloat16)
     return 0
 
 
@@ -52,8 +59,9 @@ def test_triton_interpreter():
 
 @requires_cuda
 @pytest.mark.parametrize("T,H", [(1, 64), (64, 64), (4096, 64), (64, 32)])
-def test_cuda_real_sizes(T, H):
-    _kernel_vs_ref(T, H, 512 if H == 64 else 128, 64, 1_000_000 - 9000, "cuda")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_real_sizes(T, H, dtype):
+    _kernel_vs_ref(T, H, 512 if H == 64 else 128, 64, 1_000_000 - 9000, "cuda", dtype)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -73,10 +73,15 @@ def test_registered_op_on_cpu_runs_the_reference():
     assert torch.equal(a, b)
 
 
-def _kernel_vs_ref(T, D, R, rows, start, seed, device) -> str:
+def _kernel_vs_ref(T, D, R, rows, start, seed, device, strided_bf16: bool = False) -> str:
+    """``strided_bf16``: kv in bf16 as a column slice of a wider tensor (the fast path's fused [q; kv] GEMM
+    output)."""
     from vllm_dsv41.ops.swa_insert import _swa_insert_triton, swa_insert_ref
 
     kv, w, pos, inv, slots, cache = make_case(T, D, R, rows, start, seed, device)
+    if strided_bf16:
+        kv = torch.cat((torch.zeros_like(kv[:, :48]), kv), 1).to(torch.bfloat16)[:, 48:]
+        assert kv.stride(0) == D + 48
     ref, got = cache.clone(), cache.clone()
     swa_insert_ref(kv.cpu(), w.cpu(), 1e-20, pos.cpu(), inv.cpu(), slots.cpu(), ref_cpu := ref.cpu())
     _swa_insert_triton(kv, w, 1e-20, pos, inv, slots, got)
@@ -86,12 +91,13 @@ def _kernel_vs_ref(T, D, R, rows, start, seed, device) -> str:
 def _interpreter_main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
     failed = 0
-    for T, D, R in ((7, 64, 16), (5, 512, 64)):
+    for T, D, R, strided_bf16 in ((7, 64, 16, False), (5, 512, 64, False), (6, 512, 64, True)):
         try:
-            print(f"  ok D={D} R={R}: {_kernel_vs_ref(T, D, R, 3 * T, start=0, seed=D, device='cpu')}")
+            got = _kernel_vs_ref(T, D, R, 3 * T, start=0, seed=D, device="cpu", strided_bf16=strided_bf16)
+            print(f"  ok D={D} R={R} strided bf16 {strided_bf16}: {got}")
         except AssertionError as e:
             failed += 1
-            print(f"FAIL D={D} R={R}: {e}")
+            print(f"FAIL D={D} R={R} strided bf16 {strided_bf16}: {e}")
     return 1 if failed else 0
 
 
@@ -100,9 +106,10 @@ def test_triton_interpreter():
 
 
 @requires_cuda
+@pytest.mark.parametrize("strided_bf16", [False, True], ids=["fp32", "strided-bf16"])
 @pytest.mark.parametrize("T", [1, 64, 4096])
-def test_cuda_real_sizes(T):
-    print(_kernel_vs_ref(T, 512, 64, 2 * T + 7, start=60000, seed=T, device="cuda"))
+def test_cuda_real_sizes(T, strided_bf16):
+    print(_kernel_vs_ref(T, 512, 64, 2 * T + 7, start=60000, seed=T, device="cuda", strided_bf16=strided_bf16))
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -145,7 +145,10 @@ class DSV41CacheLayer(nn.Module, AttentionLayerBase):
         slots = slots.to(torch.int64)
         if bstep == e * rstep and rstep == 1:
             return slots
-        return torch.where(slots >= 0, (slots // e) * bstep + (slots % e) * rstep, torch.full_like(slots, -1))
+        # (s // e) * bstep + (s % e) * rstep in three launches: rstep * s + (bstep - e * rstep) * (s // e).  A
+        # block spans at least its e rows (bstep >= e * rstep), so slot -1 lands at (e - 1) * rstep - bstep
+        # <= -rstep, and clamping at -1 keeps "none" as -1.
+        return torch.add(slots * rstep, slots // e, alpha=bstep - e * rstep).clamp_(min=-1)
 
     def extra_repr(self) -> str:
         return f"prefix={self.prefix!r}, spec={type(self.spec).__name__}"

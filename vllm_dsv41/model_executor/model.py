@@ -154,15 +154,23 @@ class Attention(nn.Module):
 
     def finalize(self) -> None:
         """After loading, before the children's own repack: on the fast CUDA path wq_a and wkv, which read
-        the same input, become one Marlin GEMM."""
+        the same input, become one Marlin GEMM, and the q norm's weight is held in the query dtype (the
+        fused norm takes input and weight in one dtype)."""
         self.wqkv_a = fuse_rows_on_cuda(self.wq_a, self.wkv)
+        if self.wqkv_a is not None:
+            self.q_norm_weight = self.q_norm.weight.to(self.q_dtype)
 
-    def _qkv_a(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x @ wq_a^T, x @ wkv^T)."""
+    def _qkv_a(self, x: torch.Tensor, ops: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x @ wq_a^T, x @ wkv^T, the q norm's weight); with the fused GEMM on the ops path, in the query
+        dtype (one cast of x, none of the products: the q norm, wq_b, the indexer's queries and the SWA
+        write all take it)."""
         if self.wqkv_a is None:
-            return self.wq_a(x), self.wkv(x)
-        y = self.wqkv_a(x)
-        return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:]
+            return self.wq_a(x), self.wkv(x), self.q_norm.weight
+        if not ops:
+            y = self.wqkv_a(x)
+            return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:], self.q_norm.weight
+        y = self.wqkv_a(x.to(self.q_dtype))
+        return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:], self.q_norm_weight
 
     # -- cache writes (all rows whose KV this layer produces)
     def _write_swa(self, step: Step, tok: torch.Tensor, kv: torch.Tensor) -> None:
@@ -377,8 +385,8 @@ class Attention(nn.Module):
         is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
-        qa, kv_raw = self._qkv_a(x)
-        qr_all = self.norm(qa, self.q_norm.weight, self.eps)
+        qa, kv_raw, q_norm_weight = self._qkv_a(x, step.use_ops)
+        qr_all = self.norm(qa, q_norm_weight, self.eps)
         if step.use_ops:  # norm, RoPE, MXFP8 record and write in one op
             _ops().swa_insert(kv_raw, self.kv_norm.weight, self.eps, step.take(step.positions, tok),
                               self.inv_freq, self._write_slots(step, self.swa_cache, tok),

@@ -24,7 +24,7 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
     if x.shape[0] != positions.shape[0] or 2 * inv_freq.numel() > x.shape[-1]:
         raise ValueError(f"rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, "
                          f"{2 * inv_freq.numel()} rotary dims")
-    return apply_rope(x, positions, inv_freq)
+    return apply_rope(x, positions, inv_freq).to(x.dtype)  # the rotation runs in fp32 for bf16 x, as the kernel
 
 
 tl = None  # triton.language, bound by _kernels()
