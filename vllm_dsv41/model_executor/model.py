@@ -403,7 +403,7 @@ class Attention(nn.Module):
         attend = self._attend_ops if step.use_ops else self._attend_torch
         o = attend(model, step, q, out_tok, xr, qr, floors)
         z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))
-        return self.wo_b(z.flatten(1)).to(x.dtype)
+        return self.wo_b(z.flatten(1))  # bf16 on the fast path: the mHC post-mix reads it in fp32
 
 
 # --------------------------------------------------------------------------- MoE, Engram
