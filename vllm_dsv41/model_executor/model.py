@@ -315,14 +315,16 @@ class Attention(nn.Module):
         cfg, plan = self.cfg, self.plan
         ops = _ops()
         r = plan.compress_ratio
-        n_vis = ((pos + 1) // r).to(torch.int32)
+        own = pos is step.positions  # the step's own rows: shared by every index layer of this ratio
+        n_vis = step.once(("n_vis", r) if own else None, lambda: ((pos + 1) // r).to(torch.int32))
+        req32 = step.once("req_idx_i32" if own else None, lambda: req.to(torch.int32))
         n_max = (step.max_position + 1) // r  # host bound, >= every row's n_vis (extra columns are -inf)
         src = model.attn_of(plan.kv_source)
         qi = self.indexer.wq_b(qr).view(-1, cfg.index_n_heads, cfg.index_head_dim)
         qi = self._rope(step, qi, pos)
         w = self.indexer.weights_proj(x) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
         cache, table, rows_per_block = model.index_view(step, src, n_max)
-        scores = ops.index_scores(qi, w, cache, table, rows_per_block, req.to(torch.int32), n_vis, n_max)
+        scores = ops.index_scores(qi, w, cache, table, rows_per_block, req32, n_vis, n_max)
         if plan.is_candidate_source:
             step.scratch["cand_blocks"] = ops.candidate_blocks(scores, n_vis, cfg.candidate_block_size,
                                                                cfg.candidate_topk_blocks)
