@@ -192,28 +192,11 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
-    """``VLLM_DSV41_CUDAGRAPH=static`` runs every decode step the way a captured CUDA graph does (padded
-    to a power-of-two batch, fixed buffers, the context bucket's score width: ``graphs.py``) but without
-    capture, so CPU checks the padding: with at most 6 requests per step the 9 prompts decode as batches of
-    6 and 3, padded to 8 and 4.  Against the same run unpadded the tokens are equal and the logits differ
-    only by fp32 summation order (matmuls over 8 rows instead of 6).
-
-    It also checks what capture needs and CPU can see: inside a static step no op reads a device value on
-    the host (``_HostReads``) and no step metadata is copied to the device (the step's buffers hold it)."""
-    from vllm_dsv41.attention.backend import DSV41StepMetadata
+def probe_static_steps(monkeypatch) -> _HostReads:
+    """Run every static decode step's model forward under a fresh :class:`_HostReads` (returned)."""
     from vllm_dsv41.model_executor import graphs
 
-    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
-    probe, copies = _HostReads(), []
-    on = DSV41StepMetadata.on
-
-    def on_checked(self, name, *a, **k):
-        if graphs.in_static_step():
-            copies.append(name)
-        return on(self, name, *a, **k)
-
-    run = graphs.DecodeGraphs.run
+    probe, run = _HostReads(), graphs.DecodeGraphs.run
 
     def run_probed(self, *a, **k):
         model = self.run_model
@@ -228,8 +211,32 @@ def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
         finally:
             self.run_model = model
 
-    monkeypatch.setattr(DSV41StepMetadata, "on", on_checked)
     monkeypatch.setattr(graphs.DecodeGraphs, "run", run_probed)
+    return probe
+
+
+def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_CUDAGRAPH=static`` runs every decode step the way a captured CUDA graph does (padded
+    to a power-of-two batch, fixed buffers, the context bucket's score width: ``graphs.py``) but without
+    capture, so CPU checks the padding: with at most 6 requests per step the 9 prompts decode as batches of
+    6 and 3, padded to 8 and 4.  Against the same run unpadded the tokens are equal and the logits differ
+    only by fp32 summation order (matmuls over 8 rows instead of 6).
+
+    It also checks what capture needs and CPU can see: inside a static step no op reads a device value on
+    the host (``_HostReads``) and no step metadata is copied to the device (the step's buffers hold it)."""
+    from vllm_dsv41.attention.backend import DSV41StepMetadata
+    from vllm_dsv41.model_executor import graphs
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    probe, copies = probe_static_steps(monkeypatch), []
+    on = DSV41StepMetadata.on
+
+    def on_checked(self, name, *a, **k):
+        if graphs.in_static_step():
+            copies.append(name)
+        return on(self, name, *a, **k)
+
+    monkeypatch.setattr(DSV41StepMetadata, "on", on_checked)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6)
     runs = {}
     for mode in ("0", "static"):

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from tests.e2e.conftest import engine
-from tests.e2e.test_engine_vs_reference import _RAW_LOGITS, _HostReads, _assert_logits_close, _generate, _vocab_logits
+from tests.e2e.test_engine_vs_reference import (_RAW_LOGITS, _assert_logits_close, _generate, _vocab_logits,
+                                                probe_static_steps)
 from vllm_dsv41 import formats
 from vllm_dsv41.checkpoint import E8M0
 from vllm_dsv41.model_executor import linear
@@ -109,27 +110,8 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
     """bf16: the tiny model through the fast path's code, eager and as padded static decode steps: the
     layout is the fast one, every logit is finite, no op inside a static step reads a device value on the
     host, and the static steps give the eager run's greedy tokens."""
-    from vllm_dsv41.model_executor import graphs
-
     _emulate_fast_path(monkeypatch, torch.bfloat16)
-
-    probe = _HostReads()
-    run = graphs.DecodeGraphs.run
-
-    def run_probed(self, *a, **k):
-        model = self.run_model
-
-        def probed(step):
-            with probe:
-                return model(step)
-
-        self.run_model = probed
-        try:
-            return run(self, *a, **k)
-        finally:
-            self.run_model = model
-
-    monkeypatch.setattr(graphs.DecodeGraphs, "run", run_probed)
+    probe = probe_static_steps(monkeypatch)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
     runs = {}
     for mode in ("0", "static"):
