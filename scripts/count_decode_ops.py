@@ -8,6 +8,12 @@ one kernel call), as a padded static decode step (what CUDA captures).  ``--plai
 ops path instead.
 
     .venv/bin/python scripts/count_decode_ops.py [--plain] [--top 40]
+    # the bench config's 40-layer layout at small widths (config only, dummy weights):
+    .venv/bin/python -m vllm_dsv41.tools.make_checkpoint /tmp/benchsmall --preset bench --no-engram \
+        --set hidden_size=256 --set q_lora_rank=128 --set o_lora_rank=128 --set head_dim=128 \
+        --set num_attention_heads=4 --set o_groups=2 --set index_head_dim=64 --set index_n_heads=4 \
+        --set moe_intermediate_size=128
+    .venv/bin/python scripts/count_decode_ops.py --model /tmp/benchsmall --dummy
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "ckpt" / "tiny"))
     ap.add_argument("--plain", action="store_true", help="the dequantised ops path, not the emulated fast path")
+    ap.add_argument("--dummy", action="store_true", help="load_format=dummy (a config-only checkpoint, e.g. the "
+                    "bench layout at small widths)")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
 
@@ -85,7 +93,8 @@ def main() -> int:
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=args.model, enforce_eager=True, dtype="bfloat16" if not args.plain else "float32",
-              max_model_len=1024, max_num_seqs=4, seed=0, async_scheduling=False)
+              max_model_len=1024, max_num_seqs=4, seed=0, async_scheduling=False,
+              load_format="dummy" if args.dummy else "auto")
     layers = llm.llm_engine.model_config.hf_config.num_hidden_layers
     g = torch.Generator().manual_seed(0)
     llm.generate([TokensPrompt(prompt_token_ids=[0] + torch.randint(3, 990, (130,), generator=g).tolist())],

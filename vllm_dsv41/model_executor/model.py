@@ -342,16 +342,17 @@ class Attention(nn.Module):
         cache view, -1 padded.  [R, W] int64 (a large pool's flat rows pass 2^31)."""
         g = step.group(self.swa_cache.prefix)
         geometry = self.swa_cache.flat_rows()[1:]
-        # the same lists for every layer of the group when the rows are the step's own
-        key = ("swa_slots", id(g), geometry) if pos is step.positions and floors is step.replay_start else None
+        # when the rows are the step's own: the positions for every SWA group, their rows for every layer
+        # of one group and cache geometry
+        own = pos is step.positions and floors is step.replay_start
 
-        def make() -> torch.Tensor:
+        def positions() -> torch.Tensor:
             W = self.cfg.sliding_window
             kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
-            kp = torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
-            return g.slots_of(req, kp, geometry)
+            return torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
 
-        return step.once(key, make)
+        return step.once(("swa_slots", id(g), geometry) if own else None,
+                         lambda: g.slots_of(req, step.once("swa_positions" if own else None, positions), geometry))
 
     def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
                     xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
@@ -468,9 +469,9 @@ class MoE(nn.Module):
             idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
         else:
             idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
-        if self.marlin is not None:  # bf16 into both expert paths (one cast), the sum in x's dtype
+        if self.marlin is not None:  # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
             xb = x.to(self.act_dtype)
-            return marlin_moe(xb, self.marlin, idx, wts, self.limit).to(x.dtype).add_(self.shared_experts(xb))
+            return marlin_moe(xb, self.marlin, idx, wts, self.limit) + self.shared_experts(xb)
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)
 
