@@ -230,8 +230,19 @@ class Attention(nn.Module):
         """Flat rows the step's tokens ``tok`` write in ``cache`` (-1 = none); over all rows, shared by the
         layers of one group and cache geometry."""
         g = step.group(cache.prefix)
-        key = ("write_slots", id(g), cache.flat_rows()[1:]) if tok is step.all_rows(step.num_tokens) else None
-        return step.once(key, lambda: cache.flat_slots(step.take(g.slot_mapping, tok)))
+        if tok is not step.all_rows(step.num_tokens):
+            return cache.flat_slots(g.slot_mapping[tok])
+
+        e = cache.rows_per_block
+
+        def every_group() -> dict[int, torch.Tensor]:
+            """One launch chain for the groups of this kind and block geometry (14 SWA groups at the bench
+            config) under this cache's row steps, the first time a layer asks."""
+            views = [v for v in step.views_of_kind(g.kind) if v.rows_per_block == e]
+            flat = cache.flat_slots(torch.stack([v.slot_mapping for v in views]))
+            return {id(v): flat[i] for i, v in enumerate(views)}
+
+        return step.once(("write_slots", g.kind, e, cache.flat_rows()[1:]), every_group)[id(g)]
 
     def _compress_ops(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
         """``_compress`` through ``dsv41::compress_insert`` (pooling, norms, RoPE, records, writes)."""

@@ -152,6 +152,15 @@ class Step:
         """Decoder pruning pays off only when some request brings more than ``window`` rows."""
         return bool((self.meta.query_lens > window).any())
 
+    def views_of_kind(self, kind: str) -> list[GroupView]:
+        """Every KV-cache group of ``kind`` (``swa``, ``compressed``, ``ring``), each once, in the metadata's order."""
+        views: dict[int, GroupView] = {}
+        for name in self.meta.groups:
+            v = self.group(name)
+            if v.kind == kind:
+                views.setdefault(id(v), v)
+        return list(views.values())
+
     def group(self, layer_name: str) -> GroupView:
         md = self.meta.for_layer(layer_name)
         view = self._groups.get(id(md))
