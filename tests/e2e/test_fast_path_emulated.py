@@ -23,6 +23,7 @@ from tests.e2e.test_engine_vs_reference import (_RAW_LOGITS, _assert_logits_clos
 from vllm_dsv41 import formats
 from vllm_dsv41.checkpoint import E8M0
 from vllm_dsv41.model_executor import linear
+from vllm_dsv41.reference.model import clamped_swiglu_act
 
 pytestmark = pytest.mark.engine
 
@@ -48,9 +49,9 @@ def _prepare_moe(layer, w13, w2, s13, s2, *_):
 
 
 def _silu_clamp(a: torch.Tensor, limit: float) -> torch.Tensor:
+    """vLLM's fused activation over [gate; up] in one tensor (fp32 inside, a's dtype out)."""
     n = a.shape[-1] // 2
-    g, u = a[..., :n].float().clamp(max=limit), a[..., n:].float().clamp(-limit, limit)
-    return (torch.nn.functional.silu(g) * u).to(a.dtype)
+    return clamped_swiglu_act(a[..., :n].float(), a[..., n:].float(), limit).to(a.dtype)
 
 
 def _fused_marlin_moe(x, w13, w2, b1, b2, s13, s2, wts, idx, *, activation_config, **_):

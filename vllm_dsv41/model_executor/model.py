@@ -44,7 +44,8 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
-from vllm_dsv41.reference.model import (apply_rope, candidate_mask, hc_coefficients, hc_collapse, hc_post,
+from vllm_dsv41.reference.model import (apply_rope, candidate_mask, clamped_swiglu_act, hc_coefficients,
+                                        hc_collapse, hc_post,
                                         index_scores, rms_norm, rope_cos_sin, rope_inv_freq, route, sparse_attention,
                                         topk_select)
 
@@ -141,6 +142,7 @@ class Attention(nn.Module):
         # the fast path's attention runs on queries in the GEMMs' own dtype (bf16): half the bytes, and the
         # sparse-attention tiles fit the 64-head warp-group MMA config
         self.q_dtype = wf.dense_dtype if wf.cuda_fast else None
+        self._q_norm_weights: dict[torch.dtype, torch.Tensor] = {}  # the q norm's weight in other input dtypes
         # engine caches (not parameters): registered in vLLM's forward context by prefix
         self.swa_cache = caches.SWACache(f"{prefix}.swa_cache", D, cfg.sliding_window,
                                          bounded_replay=bounded_replay)
@@ -154,23 +156,19 @@ class Attention(nn.Module):
 
     def finalize(self) -> None:
         """After loading, before the children's own repack: on the fast CUDA path wq_a and wkv, which read
-        the same input, become one Marlin GEMM, and the q norm's weight is held in the query dtype (the
+        the same input, become one Marlin GEMM; the q norm's weight is also held in the query dtype (the
         fused norm takes input and weight in one dtype)."""
         self.wqkv_a = fuse_rows_on_cuda(self.wq_a, self.wkv)
-        if self.wqkv_a is not None:
-            self.q_norm_weight = self.q_norm.weight.to(self.q_dtype)
+        if self.q_dtype is not None:
+            self._q_norm_weights[self.q_dtype] = self.q_norm.weight.to(self.q_dtype)
 
-    def _qkv_a(self, x: torch.Tensor, ops: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x @ wq_a^T, x @ wkv^T, the q norm's weight); with the fused GEMM on the ops path, in the query
-        dtype (one cast of x, none of the products: the q norm, wq_b, the indexer's queries and the SWA
-        write all take it)."""
+    def _qkv_a(self, x: torch.Tensor, ops: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ wq_a^T, x @ wkv^T); with the fused GEMM on the ops path, in the query dtype (one cast of x,
+        none of the products: the q norm, wq_b, the indexer's queries and the SWA write all take it)."""
         if self.wqkv_a is None:
-            return self.wq_a(x), self.wkv(x), self.q_norm.weight
-        if not ops:
-            y = self.wqkv_a(x)
-            return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:], self.q_norm.weight
-        y = self.wqkv_a(x.to(self.q_dtype))
-        return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:], self.q_norm_weight
+            return self.wq_a(x), self.wkv(x)
+        y = self.wqkv_a(x.to(self.q_dtype) if ops else x)
+        return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:]
 
     # -- cache writes (all rows whose KV this layer produces)
     def _write_swa(self, step: Step, tok: torch.Tensor, kv: torch.Tensor) -> None:
@@ -362,8 +360,10 @@ class Attention(nn.Module):
             kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
             return torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
 
-        return step.once(("swa_slots", id(g), geometry) if own else None,
-                         lambda: g.slots_of(req, step.once("swa_positions" if own else None, positions), geometry))
+        if not own:
+            return g.slots_of(req, positions(), geometry)
+        kp = step.once("swa_positions", positions)
+        return step.once(("swa_slots", id(g), geometry), lambda: g.slots_of(req, kp, geometry))
 
     def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
                     xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
@@ -399,8 +399,8 @@ class Attention(nn.Module):
         is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
-        qa, kv_raw, q_norm_weight = self._qkv_a(x, step.use_ops)
-        qr_all = self.norm(qa, q_norm_weight, self.eps)
+        qa, kv_raw = self._qkv_a(x, step.use_ops)
+        qr_all = self.norm(qa, self._q_norm_weights.get(qa.dtype, self.q_norm.weight), self.eps)
         if step.use_ops:  # norm, RoPE, MXFP8 record and write in one op
             _ops().swa_insert(kv_raw, self.kv_norm.weight, self.eps, step.take(step.positions, tok),
                               self.inv_freq, self._write_slots(step, self.swa_cache, tok),
@@ -439,8 +439,7 @@ class SharedExpert(nn.Module):
         """The clamped SwiGLU of ``swiglu_clamped`` over this expert's FP8 weights; on the fast path one
         Marlin GEMM for [w1; w3] and vLLM's fused ``silu(min(a, L)) * clamp(b, -L, L)`` kernel."""
         if self.w13 is None:
-            a, b = self.w1(x), self.w3(x)
-            return self.w2(torch.nn.functional.silu(a.clamp(max=self.limit)) * b.clamp(-self.limit, self.limit))
+            return self.w2(clamped_swiglu_act(self.w1(x), self.w3(x), self.limit))
         from vllm.model_executor.layers.fused_moe.activation import silu_and_mul_with_clamp
 
         y = self.w13(x)
@@ -702,8 +701,8 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
                 inputs_embeds: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         cfg = self.cfg
-        dev = (input_ids if input_ids is not None else inputs_embeds).device
-        T = (input_ids if input_ids is not None else inputs_embeds).shape[0]
+        given = input_ids if input_ids is not None else inputs_embeds
+        dev, T = given.device, given.shape[0]
         meta = current_step()
         out = torch.zeros(T, cfg.hidden_size, dtype=torch.float32, device=dev)
         if meta is None or meta.num_tokens == 0 or meta.num_tokens > T:  # profile / dummy run: no caches

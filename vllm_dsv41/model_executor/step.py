@@ -11,6 +11,7 @@ fields, so they never wait for the device.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -118,14 +119,11 @@ class Step:
     def query_start_loc_cpu(self) -> torch.Tensor:
         return self.meta.query_start_loc
 
-    @property
+    @functools.cached_property
     def max_position(self) -> int:
         """Largest position of the step (-1 for an empty step), read on the host."""
-        key = "max_position"
-        if key not in self._dev:
-            p = self.meta.positions
-            self._dev[key] = int(p.max()) if p.numel() else -1
-        return self._dev[key]
+        p = self.meta.positions
+        return int(p.max()) if p.numel() else -1
 
     # -- device tensors (moved once per step)
     @property

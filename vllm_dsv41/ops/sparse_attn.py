@@ -78,8 +78,9 @@ LOG2E = 1.4426950408889634
 SPLIT_ALIGN = 64
 """Keys per split are a multiple of this (so every BLOCK_N in the tuning list divides it)."""
 MIN_KEYS_PER_SPLIT = 64
-AUTOTUNE_ENV = "VLLM_DSV41_AUTOTUNE"  # 1: the Triton autotuner picks the launch config per shape key
 """The default split count never cuts a row's keys into ranges shorter than this."""
+AUTOTUNE_ENV = "VLLM_DSV41_AUTOTUNE"
+"""1: the Triton autotuner picks the launch config per shape key (else :func:`default_config`)."""
 _REF_ROW_CHUNK = 64
 """The reference attends this many rows at a time (bounds the [rows, heads, keys] logits)."""
 

@@ -115,10 +115,13 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, k: int,
     return idx, w / w.sum(-1, keepdim=True) * scaling
 
 
+def clamped_swiglu_act(a: torch.Tensor, b: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(a, L)) * clamp(b, -L, L): the gate and up projections' activation."""
+    return F.silu(a.clamp(max=limit)) * b.clamp(-limit, limit)
+
+
 def swiglu_clamped(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> torch.Tensor:
-    a = (x @ w1.t()).clamp(max=limit)
-    b = (x @ w3.t()).clamp(-limit, limit)
-    return (F.silu(a) * b) @ w2.t()
+    return clamped_swiglu_act(x @ w1.t(), x @ w3.t(), limit) @ w2.t()
 
 
 def sparse_attention(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
