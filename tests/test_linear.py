@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from vllm_dsv41 import formats
-from vllm_dsv41.model_executor.linear import QuantLinear, fused_rms_norm, grouped_by_all_pairs, weights_mode
+from vllm_dsv41.model_executor import linear
+from vllm_dsv41.model_executor.linear import (QuantLinear, dense_gemm_backend, fused_rms_norm, grouped_by_all_pairs,
+                                              weights_mode)
 from vllm_dsv41.reference.model import rms_norm
 
 
@@ -105,3 +107,37 @@ def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path):
     assert est(8192, 66560) == 4 * est(2048, 66560)
     assert est(8192, 131072) > est(8192, 66560)
     assert 8 * 2**30 < est(8192, 66560) < 16 * 2**30
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_bf16_dense_gemm_backend(groups, monkeypatch):
+    """``VLLM_DSV41_DENSE_GEMM=bf16`` (the default): finalize on the fast device keeps the dequantised weight
+    in the fast GEMM dtype and frees the FP8 bytes; the layer's output is the product with that weight (here
+    in bf16 on CPU, the device seam patched), in the input's dtype."""
+    monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
+    monkeypatch.setattr(linear, "on_marlin_device", lambda t: True)
+    g = torch.Generator().manual_seed(3)
+    N, K = 4 * 64, 96
+    w, s = formats.quant_fp8_block(torch.randn(N, K, generator=g) * 0.1, 32)
+    lin = QuantLinear(N, K, quant=True, groups=groups)
+    lin.weight.data.copy_(w)
+    lin.scale.data.copy_(formats.as_uint8(s))
+    w16 = formats.dequant_fp8_block(w, s, 32).to(torch.bfloat16)
+    lin.finalize()
+    assert lin.marlin is None and torch.equal(lin.w16, w16) and not hasattr(lin, "weight")
+    x = torch.randn(3, groups, K, generator=g) if groups > 1 else torch.randn(3, K, generator=g)
+    xb = x.to(torch.bfloat16)
+    want = (torch.einsum("tgk,gok->tgo", xb, w16.view(groups, N // groups, K)) if groups > 1
+            else torch.nn.functional.linear(xb, w16))
+    got = lin(x)
+    assert got.dtype == x.dtype and torch.equal(got, want.float())
+
+
+def test_dense_gemm_backend_env(monkeypatch):
+    monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
+    assert dense_gemm_backend() == "bf16"
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, " Marlin ")
+    assert dense_gemm_backend() == "marlin"
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "fp8")
+    with pytest.raises(ValueError, match="VLLM_DSV41_DENSE_GEMM='fp8'"):
+        dense_gemm_backend()

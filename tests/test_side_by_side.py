@@ -45,7 +45,7 @@ def test_plugin_tiny_run(tiny_ckpt, tmp_path):
     assert list(rec["workloads"]) == ["decode_b1", "prefill_32k"]
     for name, w in rec["workloads"].items():
         assert w["status"] == "ok", (name, w.get("error"))
-        assert w["tok_s"] > 0 and w["wall_s"] > 0
+        assert w["tok_s"] > 0 and w["wall_s"] > 0 and w["warmup_s"] > 0  # timed after an untimed warm-up run
     assert rec["workloads"]["decode_b1"]["output_tokens"] == 8
     assert rec["llm_kwargs"]["async_scheduling"] is False and rec["llm_kwargs"]["max_num_seqs"] == 64
     assert rec["env"]["VLLM_USE_V2_MODEL_RUNNER"] == "0" and "VLLM_DSV41_DISABLE" not in rec["env"]

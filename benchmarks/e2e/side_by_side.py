@@ -1,7 +1,8 @@
 """Side-by-side end-to-end benchmark: our plugin vs vLLM's built-in DeepSeek-V4.1, same GPU, same
 engine config, same workloads.
 
-Owns: the workload list (decode at batch 1/16/64, a 32k prefill, a stress sweep of batch x length),
+Owns: the workload list (decode at batch 1/16/64, a 32k prefill, a stress sweep of batch x length; each
+throughput workload is timed after one untimed run of its shape on other tokens, :func:`warm_up`),
 the per-impl worker (one ``vllm.LLM`` in-process, results appended to ``OUTDIR/<impl>.json`` after
 every workload), the driver (one worker subprocess per impl with a timeout; a worker that dies keeps
 what it measured and its running workload is marked ``crashed``; after a crash, or a workload that
@@ -40,7 +41,7 @@ import sys
 import time
 import traceback
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +259,15 @@ def run_workload(llm, w: Workload, vocab: int) -> dict[str, Any]:
     return result
 
 
+def warm_up(llm, w: Workload, vocab: int) -> float:
+    """One untimed run of ``w``'s shape (other tokens, so the prefix cache cannot serve the timed run; a few
+    output tokens): JIT compiles, autotuning and first-touch allocations for its batch and prompt length
+    land here, not in the timed run.  Returns its wall time."""
+    t0 = time.perf_counter()
+    run_workload(llm, replace(w, name=f"warmup_{w.name}", max_tokens=min(w.max_tokens, 4)), vocab)
+    return time.perf_counter() - t0
+
+
 def error_text(exc: BaseException) -> str:
     """The exception and the end of its traceback (where it was raised)."""
     return f"{type(exc).__name__}: {exc}\n" + traceback.format_exc()[-LOG_TAIL_CHARS:]
@@ -324,6 +334,8 @@ def worker_main(args: argparse.Namespace) -> int:
         save_json(path, rec)
         print(f"[{args.impl}] {w.name}: {w.batch} x {w.prompt_len} -> {w.max_tokens}", flush=True)
         try:
+            if w.kind != "stress":
+                entry["warmup_s"] = warm_up(llm, w, vocab)
             entry.update(run_workload(llm, w, vocab), status="ok")
         except Exception as e:
             entry.update(status="error", error=error_text(e))
@@ -575,6 +587,9 @@ def render_table(recs: dict[str, dict]) -> str:
              f"- rendered: {utc_now()}; runs: {_per_impl(recs, 'date_utc')}",
              f"- GPU: {_per_impl(recs, 'gpu')}",
              f"- vLLM: {_per_impl(recs, 'vllm_version')}"]
+    warmed = [i for i in IMPLS if i in recs and any("warmup_s" in w for w in recs[i].get("workloads", {}).values())]
+    lines.append(f"- throughput timed after an untimed warm-up run of each workload's shape: "
+                 f"{', '.join(warmed) or 'none'} (earlier runs of this tool timed the first run)")
     for impl in IMPLS:
         rec = recs.get(impl)
         if rec is None:

@@ -1,7 +1,8 @@
 """The fast CUDA path's Python on CPU: vLLM's Marlin entry points replaced by plain stand-ins.
 
-The fast path (``WeightFormat.cuda_fast``: Marlin FP8 / MXFP4 weights, bf16 dense weights, fused RMSNorm, bf16
-queries, the fused shared expert, the grouped ``wo_a`` as one all-rows GEMM at decode) only runs on CUDA,
+The fast path (``WeightFormat.cuda_fast``: FP8 weights dequantised to bf16 or on Marlin, Marlin MXFP4 experts,
+bf16 dense weights, fused RMSNorm, bf16 queries, the fused shared expert, the grouped ``wo_a`` as one batched
+GEMM, or on Marlin as one all-rows GEMM at decode) only runs on CUDA,
 where a wiring mistake (a dtype, a shape, a host read inside a captured step) costs a GPU session.  Here the
 tiny checkpoint is served through that code with the five vLLM kernels it calls swapped for stand-ins that
 take and return what the kernels do (products of the dequantised weights, the clamped SwiGLU, the routed
@@ -35,7 +36,7 @@ def _prepare_mxfp8(shim) -> None:
 
 
 def _apply_mxfp8(input, weight, weight_scale, workspace, size_n, size_k, **_):
-    assert input.dtype == linear.MARLIN_INPUT_DTYPE and input.shape[-1] == size_k
+    assert input.dtype == linear.FAST_GEMM_DTYPE and input.shape[-1] == size_k
     assert weight.shape == (size_n, size_k)
     return input @ weight.to(input.dtype).t()
 
@@ -55,7 +56,7 @@ def _silu_clamp(a: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 def _fused_marlin_moe(x, w13, w2, b1, b2, s13, s2, wts, idx, *, activation_config, **_):
-    assert x.dtype == linear.MARLIN_INPUT_DTYPE and wts.dtype == torch.float32 and idx.dtype == torch.int32
+    assert x.dtype == linear.FAST_GEMM_DTYPE and wts.dtype == torch.float32 and idx.dtype == torch.int32
     y = torch.zeros_like(x, dtype=torch.float32)
     for e in range(w13.shape[0]):  # every expert on every row: no host read, as inside a captured graph
         h = _silu_clamp(x @ w13[e].to(x.dtype).t(), activation_config.clamp_limit) @ w2[e].to(x.dtype).t()
@@ -76,7 +77,7 @@ def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
 
     from vllm_dsv41.model_executor import model
 
-    monkeypatch.setattr(linear, "MARLIN_INPUT_DTYPE", dtype)
+    monkeypatch.setattr(linear, "FAST_GEMM_DTYPE", dtype)
     monkeypatch.setattr(fp8, "prepare_mxfp8_layer_for_marlin", _prepare_mxfp8)
     monkeypatch.setattr(fp8, "apply_mxfp8_marlin_linear", _apply_mxfp8)
     monkeypatch.setattr(fp4, "prepare_moe_mxfp4_layer_for_marlin", _prepare_moe)
@@ -92,19 +93,24 @@ def _layout(m, dtype: torch.dtype) -> dict:
     """Which fast-path pieces the served model holds."""
     attn = [layer.attn for layer in m.model.layers]
     ffn = [layer.ffn for layer in m.model.layers]
+    live = [q for q in m.modules() if isinstance(q, linear.QuantLinear) and not getattr(q, "retired", False)]
+    gemms = {"bf16" if q.w16 is not None else "marlin" if q.marlin is not None else "none" for q in live}
     return {
         "cuda_fast": m.weights.cuda_fast,
+        "dense gemm": gemms.pop() if len(gemms) == 1 else sorted(gemms),
+        "bf16 weights in dtype": all(q.w16.dtype == dtype for q in live if q.w16 is not None),
         "q_dtype": {a.q_dtype for a in attn} == {dtype},
         "wqkv_a fused": all(a.wqkv_a is not None for a in attn),
-        "wo_a all rows": all(a.wo_a.marlin_all is not None for a in attn),
+        "wo_a all rows": all((a.wo_a.marlin_all is not None) == (a.wo_a.marlin is not None) for a in attn),
         "experts stacked": all(f.marlin is not None for f in ffn),
         "shared w13": all(f.shared_experts.w13 is not None for f in ffn),
         "head": m.head.weight.dtype == dtype,
     }
 
 
-FAST_LAYOUT = {"cuda_fast": True, "q_dtype": True, "wqkv_a fused": True, "wo_a all rows": True, "experts stacked": True,
-               "shared w13": True, "head": True}
+def fast_layout(gemm: str) -> dict:
+    return {"cuda_fast": True, "dense gemm": gemm, "bf16 weights in dtype": True, "q_dtype": True, "wqkv_a fused": True,
+            "wo_a all rows": True, "experts stacked": True, "shared w13": True, "head": True}
 
 
 def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
@@ -121,7 +127,7 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
             layout = llm.apply_model(lambda m: _layout(m, torch.bfloat16))[0]
             outs = _generate(llm, prompts, logits=True)
             runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
-    assert layout == FAST_LAYOUT, layout
+    assert layout == fast_layout("bf16"), layout
     for tokens, logits in runs.values():
         assert all(len(t) == 8 for t in tokens) and all(torch.isfinite(lg).all() for lg in logits)
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
@@ -133,12 +139,14 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
     assert same == len(prompts)
 
 
-def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch):
+@pytest.mark.parametrize("gemm", ["bf16", "marlin"])
+def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
     """fp32: the fast path's code with fp32 where the GPU uses bf16 gives the dequantised ops path's logits
-    (every step, whole vocabulary) to fp32 rounding: the fused GEMMs' splits, the grouped wo_a's all-rows
-    diagonal at decode and per-group GEMMs at prefill, the shared expert and the routed stack compute
-    the same products."""
+    (every step, whole vocabulary) to fp32 rounding, for both dense GEMM backends: the fused GEMMs' splits,
+    the grouped wo_a (batched on the dequantised weights; on Marlin the all-rows diagonal at decode and
+    per-group GEMMs at prefill), the shared expert and the routed stack compute the same products."""
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, gemm)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
     if (None, "1") not in _RAW_LOGITS:
         with engine(tiny_ckpt, exact=True, **kw) as llm:
@@ -147,6 +155,6 @@ def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch):
     with engine(tiny_ckpt, exact=True, **kw) as llm:
         layout = llm.apply_model(lambda m: _layout(m, torch.float32))[0]
         got = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
-    assert layout == FAST_LAYOUT, layout
+    assert layout == fast_layout(gemm), layout
     worst = _assert_logits_close(_RAW_LOGITS[(None, "1")], got, "emulated fast path (fp32) and dequantised path")
-    print(f"emulated fast path in fp32 vs dequantised: largest |logit difference| {worst:.2e}")
+    print(f"emulated fast path ({gemm} dense GEMMs) in fp32 vs dequantised: largest |logit difference| {worst:.2e}")

@@ -1,4 +1,4 @@
-"""The fast-path weight layers on CUDA (vLLM's Marlin kernels) against their dequantised references.
+"""The fast-path weight layers on CUDA (bf16 cuBLAS or vLLM's Marlin kernels) against their dequantised references.
 
 Run on the GPU machine: ``python -m pytest -q -s -m gpu tests/gpu/test_marlin_weights.py``.  Skipped
 without CUDA.  Random weights in the checkpoint's formats at the bench config's shapes: a dense FP8
@@ -14,11 +14,19 @@ import torch
 from torch import nn
 
 from vllm_dsv41 import formats
-from vllm_dsv41.model_executor.linear import Expert, QuantLinear, loop_moe, marlin_expert_stack, marlin_moe
+from vllm_dsv41.model_executor.linear import (DENSE_GEMM_ENV, Expert, QuantLinear, loop_moe, marlin_expert_stack,
+                                              marlin_moe)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 REL_TOL = 2e-2
+
+
+@pytest.fixture(params=["bf16", "marlin"])
+def dense_gemm(request, monkeypatch) -> str:
+    """Each FP8 dense layer test runs once per ``VLLM_DSV41_DENSE_GEMM`` backend."""
+    monkeypatch.setenv(DENSE_GEMM_ENV, request.param)
+    return request.param
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,21 +43,21 @@ def _fp8_linear(N: int, K: int, groups: int = 1) -> QuantLinear:
 
 @pytest.mark.parametrize("T", [1, 16, 300])
 @pytest.mark.parametrize("N,K", [(1280, 5120), (32768, 1280), (5120, 8192)])
-def test_marlin_fp8_linear(T, N, K):
+def test_fp8_linear(T, N, K, dense_gemm):
     lin = _fp8_linear(N, K)
     x = torch.randn(T, K, device="cuda")
     ref = x.to(torch.bfloat16).float() @ lin.dequantized().t()
     lin.finalize()
     got = lin(x)
     err = _rel(got, ref)
-    print(f"marlin fp8 linear T={T} N={N} K={K}: rel err {err:.2e}")
-    assert got.dtype == x.dtype and err < REL_TOL
+    print(f"{dense_gemm} fp8 linear T={T} N={N} K={K}: rel err {err:.2e}")
+    assert (lin.w16 is not None) == (dense_gemm == "bf16") and got.dtype == x.dtype and err < REL_TOL
 
 
 @pytest.mark.parametrize("T", [1, 5, 40], ids=["all-pairs-1", "all-pairs-5", "per-group-40"])
-def test_marlin_grouped_wo_a(T):
-    """Up to QuantLinear.ALL_PAIRS_MAX_ROWS rows (T x 8) as one GEMM over all rows + diagonal blocks, more as
-    one GEMM per group."""
+def test_grouped_wo_a(T, dense_gemm):
+    """bf16: one batched GEMM.  Marlin: up to QuantLinear.ALL_PAIRS_MAX_ROWS rows (T x 8) as one GEMM over all
+    rows + diagonal blocks, more as one GEMM per group."""
     G, O, K = 8, 1024, 4096
     lin = _fp8_linear(G * O, K, groups=G)
     x = torch.randn(T, G, K, device="cuda")
@@ -57,7 +65,7 @@ def test_marlin_grouped_wo_a(T):
     lin.finalize()
     got = lin(x)
     err = _rel(got, ref)
-    print(f"marlin grouped wo_a T={T}: rel err {err:.2e}")
+    print(f"{dense_gemm} grouped wo_a T={T}: rel err {err:.2e}")
     assert got.shape == (T, G, O) and err < REL_TOL
 
 
@@ -92,8 +100,8 @@ def test_fused_rms_norm_cuda():
     assert err < 1e-4
 
 
-def test_shared_expert_fused_cuda():
-    """The shared expert on the fast path ([w1; w3] as one Marlin GEMM, vLLM's fused clamped SwiGLU, bf16
+def test_shared_expert_fused_cuda(dense_gemm):
+    """The shared expert on the fast path ([w1; w3] as one GEMM (bf16 or Marlin), vLLM's fused clamped SwiGLU, bf16
     in and out) against the reference formula on the dequantised weights."""
     from vllm_dsv41.model_executor.model import SharedExpert
     from vllm_dsv41.reference.model import swiglu_clamped

@@ -5,17 +5,21 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
 * :class:`Dense` - a checkpoint-bf16 weight (compressor, indexer keys, norms' neighbours, head),
   held in fp32 on the exact path and in bf16 on the fast path;
 * :class:`QuantLinear` - an FP8 E4M3 weight with 32x32 UE8M0 tiles.  Dequantised on arrival on
-  the exact path; on the fast path the FP8 bytes and tiles are kept, and on CUDA repacked once
-  after loading for vLLM's Marlin W8A16 MXFP8 GEMM (a 32x32 tile is 32 rows of one 1x32 MX
-  scale, so the repack is exact); on CPU the fast path dequantises per call (the reference);
+  the exact path; on the fast path the FP8 bytes and tiles are kept and, on CUDA, turned once after
+  loading into what ``VLLM_DSV41_DENSE_GEMM`` (:func:`dense_gemm_backend`) names: ``bf16`` (default:
+  the dequantised weight in bf16, exact since E4M3 x 2^k fits bf16, through cuBLAS) or ``marlin``
+  (vLLM's Marlin W8A16 MXFP8 GEMM; a 32x32 tile is 32 rows of one 1x32 MX scale, so the repack is
+  exact); on CPU the fast path dequantises per call (the reference);
 * :class:`Expert` - a routed expert (MXFP4, 1x32 UE8M0).  Quantised on CUDA, a layer's experts are
   stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
   Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
   (:func:`marlin_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
   reference; :func:`masked_moe` inside captured decode steps, where the host may not read the routing).
 
-Why Marlin (docs/design.md, "Hopper weights"): it is the W8A16 / W4A16 path vLLM 0.32 ships for
-SM90 that takes the checkpoint's own scales without requantisation.
+Why (docs/design.md, "Hopper weights"): Marlin is the W8A16 / W4A16 path vLLM 0.32 ships for SM90 that
+takes the checkpoint's own scales without requantisation; for the FP8 dense weights the H200 measured
+cuBLAS bf16 about 3x faster than Marlin's MXFP8 GEMM at every token count (32-element scale groups),
+at twice the bytes of those weights (benchmarks/ops/bench_gemm.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from vllm_dsv41 import formats
 from vllm_dsv41.checkpoint import E8M0, FP8, I8
 
 WEIGHTS_ENV = "VLLM_DSV41_WEIGHTS"
+DENSE_GEMM_ENV = "VLLM_DSV41_DENSE_GEMM"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -43,6 +48,15 @@ def weights_mode(exact: bool, on_cuda: bool) -> str:
         return "quant" if on_cuda and not exact else "dequant"
     if v not in ("dequant", "quant"):
         raise ValueError(f"{WEIGHTS_ENV}={v!r}: expected auto, dequant or quant")
+    return v
+
+
+def dense_gemm_backend() -> str:
+    """``VLLM_DSV41_DENSE_GEMM``: how the fast CUDA path runs the FP8 dense weights - ``bf16`` (default;
+    dequantised once, cuBLAS) or ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory)."""
+    v = os.environ.get(DENSE_GEMM_ENV, "bf16").strip().lower() or "bf16"
+    if v not in ("bf16", "marlin"):
+        raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16 or marlin")
     return v
 
 
@@ -66,13 +80,14 @@ class WeightFormat:
         return WeightFormat(quant, torch.bfloat16 if fast else torch.float32, fast)
 
 
-#: The activation dtype vLLM's Marlin kernels take (and return).
-MARLIN_INPUT_DTYPE = torch.bfloat16
+#: The activation dtype of the fast path's GEMMs: what vLLM's Marlin kernels take (and return), and the
+#: dtype of the dequantised dense weights (``VLLM_DSV41_DENSE_GEMM=bf16``).
+FAST_GEMM_DTYPE = torch.bfloat16
 
 
 def on_marlin_device(t: torch.Tensor) -> bool:
-    """Whether a weight on ``t``'s device is repacked for Marlin (CUDA; a CPU test emulates it by patching
-    this and vLLM's Marlin entry points)."""
+    """Whether a quantised weight on ``t``'s device is prepared for the fast GEMMs (CUDA; a CPU test
+    emulates it by patching this and vLLM's Marlin entry points)."""
     return t.device.type == "cuda"
 
 
@@ -163,10 +178,11 @@ class QuantLinear(nn.Module):
 
     ``quant=False``: ``weight`` is the dequantised fp32 matrix (the loader dequantises on arrival).
     ``quant=True``: ``weight`` (FP8 [N, K]) and ``scale`` (uint8 [N/32, K/32]) keep the checkpoint's
-    bytes; :meth:`finalize` repacks them for Marlin on CUDA.  ``groups`` > 1 splits the rows into
-    that many independent blocks applied to the matching slices of the input (the grouped ``wo_a``); on
-    Marlin, up to :attr:`ALL_PAIRS_MAX_ROWS` rows (T x groups) go through one GEMM over all the rows
-    (:func:`grouped_by_all_pairs`), more through one GEMM per group."""
+    bytes; :meth:`finalize` turns them, on CUDA, into ``w16`` (the bf16 weight, :func:`dense_gemm_backend`
+    ``bf16``) or Marlin's repacks (``marlin``).  ``groups`` > 1 splits the rows into that many independent
+    blocks applied to the matching slices of the input (the grouped ``wo_a``: one batched GEMM on ``w16``;
+    on Marlin, up to :attr:`ALL_PAIRS_MAX_ROWS` rows (T x groups) go through one GEMM over all the rows
+    (:func:`grouped_by_all_pairs`), more through one GEMM per group)."""
 
     ALL_PAIRS_MAX_ROWS = 128
 
@@ -175,6 +191,7 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features, self.quant, self.groups = out_features, in_features, quant, groups
         self.marlin: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per group
         self.marlin_all: tuple[torch.Tensor, torch.Tensor] | None = None  # all rows (grouped layers)
+        self.w16: torch.Tensor | None = None  # the dequantised weight [N, K] in FAST_GEMM_DTYPE (cuBLAS)
         if not quant:
             self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float32))
             return
@@ -188,8 +205,12 @@ class QuantLinear(nn.Module):
         return formats.dequant_fp8_block(self.weight, self.scale.view(E8M0), 32)
 
     def finalize(self) -> None:
-        """After loading: repack for Marlin when the weight lives on CUDA."""
+        """After loading, when the weight lives on CUDA: dequantise it to ``w16`` or repack it for Marlin."""
         if not self.quant or getattr(self, "retired", False) or not on_marlin_device(self.weight):
+            return
+        if dense_gemm_backend() == "bf16":
+            self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
+            del self.weight, self.scale
             return
         rows = self.out_features // self.groups
         if rows % 32:
@@ -220,8 +241,13 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
         G = self.groups
+        if self.w16 is not None:
+            xb = x.to(self.w16.dtype)
+            if G == 1:
+                return torch.nn.functional.linear(xb, self.w16).to(x.dtype)
+            return torch.einsum("tgk,gok->tgo", xb, self.w16.view(G, -1, self.in_features)).to(x.dtype)
         if self.marlin is not None:
-            xb = x.to(MARLIN_INPUT_DTYPE)
+            xb = x.to(FAST_GEMM_DTYPE)
             if G == 1:
                 return self._marlin_gemm(xb, 0).to(x.dtype)
             if x.shape[0] * G <= self.ALL_PAIRS_MAX_ROWS:
@@ -305,7 +331,7 @@ def marlin_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tens
     from vllm.scalar_type import scalar_types
 
     w13, w2, s13, s2 = stack
-    y = fused_marlin_moe(x.to(MARLIN_INPUT_DTYPE).contiguous(), w13, w2, None, None, s13, s2,
+    y = fused_marlin_moe(x.to(FAST_GEMM_DTYPE).contiguous(), w13, w2, None, None, s13, s2,
                          wts.float().contiguous(), idx.to(torch.int32).contiguous(),
                          quant_type_id=scalar_types.float4_e2m1f.id, activation=MoEActivation.SILU,
                          activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
