@@ -1,10 +1,13 @@
 """Where a bench-config step spends its GPU time: kernels by name, count and total time.
 
-One engine (bench checkpoint, dummy weights, our plugin), then under ``torch.profiler``:
-  1. batch-1 decode through the captured graphs (per-token latency, kernels inside the graphs);
-  2. the same decode eagerly (graphs switched off on the model): the launch count of one step;
-  3. one prefill chunk of ``--prefill`` tokens.
-Prints the top kernels of each and writes the full tables to $OUT.
+One engine (bench checkpoint, dummy weights, our plugin), then under ``torch.profiler``, for every
+``--decode-shapes`` entry BATCH:CONTEXT (default 1:4096 and 64:1024):
+  1. decode through the captured graphs: (BATCH prompts of CONTEXT tokens, 1 + ``--decode`` outputs) minus
+     (other prompts of the same shape, 1 output), kernel by kernel, so the prompts' prefill cancels out
+     and what is left is ``--decode`` decode steps;
+  2. the same eagerly (graphs switched off on the model), batch 1 only: the launch count of one step;
+then 3. one prefill of ``--prefill`` tokens.  Prints the top kernels of each and the wall time per decode step
+(the same difference of two runs), and writes the full tables to $OUT.
 
     PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/profile_steps.py /tmp/bench
 """
@@ -38,6 +41,13 @@ def kernel_table(prof, gpu: bool) -> list[tuple[str, int, float]]:
     return sorted(((k, int(v[0]), v[1]) for k, v in agg.items()), key=lambda r: -r[2])
 
 
+def minus(a: list[tuple[str, int, float]], b: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
+    """Kernel table ``a`` less ``b`` (same kernel names), largest remaining total first."""
+    rest = {k: (n, t) for k, n, t in b}
+    rows = [(k, n - rest.get(k, (0, 0.0))[0], t - rest.get(k, (0, 0.0))[1]) for k, n, t in a]
+    return sorted((r for r in rows if r[1] > 0 or r[2] > 0), key=lambda r: -r[2])
+
+
 def report(title: str, rows: list[tuple[str, int, float]], steps: int, out: str, top: int = 25) -> None:
     n = sum(r[1] for r in rows)
     t = sum(r[2] for r in rows)
@@ -45,7 +55,7 @@ def report(title: str, rows: list[tuple[str, int, float]], steps: int, out: str,
           f"({steps} steps)")
     for name, cnt, us in rows[:top]:
         print(f"  {us / steps:9.1f} µs/step {cnt / steps:7.1f} launches/step  {name}")
-    with open(os.path.join(out, title.replace(" ", "_") + ".tsv"), "w") as f:
+    with open(os.path.join(out, title.replace(" ", "_").replace(",", "") + ".tsv"), "w") as f:
         f.write("kernel\tlaunches_per_step\tus_per_step\n")
         for name, cnt, us in rows:
             f.write(f"{name}\t{cnt / steps:.2f}\t{us / steps:.2f}\n")
@@ -54,7 +64,7 @@ def report(title: str, rows: list[tuple[str, int, float]], steps: int, out: str,
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
-    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--decode-shapes", default="1:4096,64:1024", help="BATCH:CONTEXT,... decode profiles")
     ap.add_argument("--decode", type=int, default=16, help="decode steps profiled")
     ap.add_argument("--prefill", type=int, default=16384)
     args = ap.parse_args()
@@ -65,44 +75,50 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    shapes = [tuple(int(v) for v in x.split(":")) for x in args.decode_shapes.split(",")]
     gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU]
     t0 = time.perf_counter()
     extra = dict(kv_cache_memory_bytes=16 << 30) if gpu else dict(dtype="float32")
-    llm = LLM(model=args.model, load_format="dummy", async_scheduling=False, max_model_len=args.prefill + 1024,
-              max_num_seqs=64, seed=0, **extra)
+    max_ctx = max([args.prefill] + [c for _, c in shapes])
+    llm = LLM(model=args.model, load_format="dummy", async_scheduling=False, max_model_len=max_ctx + 1024,
+              max_num_seqs=max(64, *(b for b, _ in shapes)), seed=0, **extra)
     print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    ids = torch.randint(3, vocab - 64, (args.prefill + args.context + 300,)).tolist()
+    calls = iter(range(1 << 30))
 
-    def gen(n_prompt: int, n_out: int, offset: int) -> float:
+    def gen(batch: int, n_prompt: int, n_out: int) -> float:
+        """``batch`` fresh random prompts (never a prefix-cache hit) of ``n_prompt`` tokens, ``n_out`` outputs."""
+        g = torch.Generator().manual_seed(next(calls))
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, vocab - 64, (n_prompt,), generator=g).tolist())
+                   for _ in range(batch)]
         t = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=ids[offset:offset + n_prompt])],
-                     SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True), use_tqdm=False)
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - t
 
-    gen(args.context, 4, 0)  # compile, capture
-    short, long = gen(args.context, 2, 1), gen(args.context, 2 + args.decode, 2)
-    print(f"batch-1 decode, graphs: {(long - short) / args.decode * 1e3:.2f} ms/token "
-          f"({args.decode / (long - short):.1f} tok/s) at context {args.context}", flush=True)
-    with profile(activities=activities) as prof:
-        gen(args.context, 1 + args.decode, 3)
-    report("decode graphs", kernel_table(prof, gpu), args.decode + 1, out)
+    def decode_profile(title: str, batch: int, ctx: int) -> None:
+        gen(batch, ctx, 4)  # compile, capture
+        dt = (gen(batch, ctx, 1 + args.decode) - gen(batch, ctx, 1)) / args.decode
+        print(f"\n{title}: {dt * 1e3:.2f} ms/step ({batch / dt:,.1f} tok/s) at context {ctx}", flush=True)
+        tables = []
+        for n_out in (1 + args.decode, 1):
+            with profile(activities=activities) as prof:
+                gen(batch, ctx, n_out)
+            tables.append(kernel_table(prof, gpu))
+        report(title, minus(*tables), args.decode, out)
+
+    for batch, ctx in shapes:
+        decode_profile(f"decode graphs batch {batch}", batch, ctx)
 
     def graphs_off(model):
         model._graphs, model._graph_mode = None, "off"
 
     llm.apply_model(graphs_off)
-    gen(args.context, 4, 4)
-    short, long = gen(args.context, 2, 5), gen(args.context, 2 + args.decode, 6)
-    print(f"batch-1 decode, eager: {(long - short) / args.decode * 1e3:.2f} ms/token", flush=True)
-    with profile(activities=activities) as prof:
-        gen(args.context, 1 + args.decode, 7)
-    report("decode eager", kernel_table(prof, gpu), args.decode + 1, out)
+    decode_profile("decode eager batch 1", 1, shapes[0][1])
 
-    gen(args.prefill, 1, 100)
+    gen(1, args.prefill, 1)
     with profile(activities=activities) as prof:
-        dt = gen(args.prefill, 1, 200)
+        dt = gen(1, args.prefill, 1)
     print(f"\nprefill {args.prefill} tokens: {dt:.3f} s ({args.prefill / dt:,.0f} tok/s)")
     report("prefill", kernel_table(prof, gpu), 1, out)
     os._exit(0)
