@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import itertools
 import json
 import os
@@ -286,7 +287,13 @@ EXIT_STOPPED = 3
 FINAL_STATUSES = ("ok", "error", "crashed", "timeout")
 
 
+#: The worker prints every thread's Python stack to its log this often: a worker killed at the timeout
+#: then shows where it was (slow in a kernel's first compile, or stuck).
+STACK_DUMP_S = 60
+
+
 def worker_main(args: argparse.Namespace) -> int:
+    faulthandler.dump_traceback_later(STACK_DUMP_S, repeat=True, file=sys.stderr)
     path = Path(args.out) / f"{args.impl}.json"
     workloads = select_workloads(args.scale, args.only)
     kwargs = llm_kwargs(args.impl, args.model, args.scale, json.loads(args.llm_args))
