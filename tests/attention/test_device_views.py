@@ -93,7 +93,7 @@ def test_group_view_slots_of_matches_slots_of_entries():
     step = _step([0, 3, 5], [10, 60], [[-1] * 3, [-1] * 3], list(range(5)))
     bt = torch.tensor([[4, 9, 2, 0], [7, 3, 5, 8]], dtype=torch.int32)
     md = DSV41GroupMetadata(kind="compressed", block_size=64, tokens_per_state=2, rows_per_block=32,
-                            block_table=bt, slot_mapping=torch.full((5,), -1), ring_block_ids=None,
+                            block_table=bt, runner_slots=torch.full((5,), -1),
                             layer_names=["x"], step=step.meta)
     step.meta.groups["x"] = md
     view = step.group("x")
@@ -103,3 +103,47 @@ def test_group_view_slots_of_matches_slots_of_entries():
         valid = ent[r] >= 0
         assert torch.equal(got[r][valid], md.slots_of_entries(r, ent[r][valid]))
         assert (got[r][~valid] == -1).all()
+
+
+def _slots_by_loop(kind: str, bt: torch.Tensor, meta: DSV41StepMetadata, r: int, e: int, cap: int) -> list[int]:
+    """The slot each token writes, one token at a time from the definitions (DSV41GroupMetadata.slot_mapping)."""
+    out = []
+    for t in range(meta.num_tokens):
+        p, i = int(meta.positions[t]), int(meta.token_req_idx[t])
+        if kind == "ring":
+            out.append(int(bt[i, 0]) * cap + p % cap if bt[i, 0] > 0 else -1)
+            continue
+        j = p // r
+        block = int(bt[i, min(j // e, bt.shape[1] - 1)])
+        start = int(meta.replay_start[i])
+        replayed = start > 0 and start <= p < start + meta.replay_window
+        out.append(block * e + j % e if (p + 1) % r == 0 and block > 0 and not replayed else -1)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["compressed", "ring"])
+def test_group_slots_from_the_table_and_inside_a_static_step(kind):
+    """Compressed and ring slots are computed from the block table on first use: by the metadata (eager
+    steps) and, for a padded static decode step, by its view from the step's own buffers (what a captured
+    graph replays); both give the definition's slot for every token, padded rows write nothing."""
+    from vllm_dsv41.model_executor.graphs import StaticStep, pad_decode_meta
+
+    # four decode rows: plain, a closing position (p + 1 divisible by r), a replayed closing one, a row without blocks
+    step = _step([0, 1, 2, 3, 4], [40, 63, 99, 7], [[-1] * 3] * 4, [5, 6, 7, 8])
+    meta = step.meta
+    meta.replay_start[2], meta.replay_window = 96, 8
+    r, e, cap = (4, 16, 0) if kind == "compressed" else (1, 1, 128)
+    bt = torch.tensor([[3, 9, 2], [5, 6, 7], [8, 4, 1], [0, 0, 0]], dtype=torch.int32)
+    md = DSV41GroupMetadata(kind=kind, block_size=cap or 64, tokens_per_state=r, rows_per_block=e,
+                            block_table=bt, layer_names=["x"], step=meta)
+    meta.groups["x"] = md
+    want = _slots_by_loop(kind, bt, meta, r, e, cap)
+    assert md.slot_mapping.tolist() == want and step.group("x").slot_mapping.tolist() == want
+    assert -1 in want and any(s >= 0 for s in want)
+
+    padded = pad_decode_meta(meta, 8)
+    static = StaticStep(padded, torch.device("cpu"), context=1024)
+    static.load(padded, torch.tensor([5, 6, 7, 8]), 4)
+    assert static.group("x").slot_mapping.tolist() == want + [-1] * 4
+    if kind == "ring":
+        assert static.group("x").ring_block_ids.tolist() == [3, 5, 8, 0] + [0] * 4

@@ -7,8 +7,11 @@ dataclasses the model reads in ``forward``:
 * ``DSV41StepMetadata``: per step, per request (row order of the runner's
   input batch): request ids, query_start_loc, seq_lens, context lengths,
   positions, token -> request index, ``replay_start``, Engram lookback ids.
-* ``DSV41GroupMetadata``: per KV-cache group: block table, slot mapping (our
-  own for compressed groups), ring block ids; each links back to its step.
+* ``DSV41GroupMetadata``: per KV-cache group: block table, slot mapping (the
+  runner's for SWA groups; computed from the table on first use for compressed
+  and ring groups, :func:`compressed_slots` / :func:`ring_slots`, so a decode
+  step served by a captured graph, which computes them inside the graph, never
+  pays for them on the host), ring block ids; each links back to its step.
 
 The backend does no attention math; the model does that in torch.  The
 runner calls ``build`` once per KV-cache group; the per-request fields come
@@ -96,9 +99,38 @@ class DSV41StepMetadata:
     def replayed_token_mask(self) -> torch.Tensor:
         """[num_tokens] bool: tokens the scheduler replays after a prefix hit
         (their cached global KV must not be rewritten)."""
-        start = self.replay_start.to(torch.int64)[self.token_req_idx]
-        pos = self.positions
-        return (start > 0) & (pos >= start) & (pos < start + self.replay_window)
+        return replayed_mask(self.replay_start, self.token_req_idx, self.positions, self.replay_window)
+
+
+def replayed_mask(replay_start: torch.Tensor, req_idx: torch.Tensor, positions: torch.Tensor,
+                  window: int) -> torch.Tensor:
+    """[T] bool: token t (of request ``req_idx[t]``, at ``positions[t]``) lies in its request's replayed
+    range [replay_start, replay_start + window); requests with replay_start 0 replayed nothing."""
+    start = replay_start.to(torch.int64)[req_idx]
+    return (start > 0) & (positions >= start) & (positions < start + window)
+
+
+def compressed_slots(block_table: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                     replayed: torch.Tensor, tokens_per_state: int, rows_per_block: int) -> torch.Tensor:
+    """[T] int64 rows of a compressed group written by the step's tokens: entry j = p // r is written by
+    the token with (p + 1) % r == 0 at row table[j // E] * E + j % E (E rows per block); replayed tokens
+    and tokens of rows without blocks (block 0: dummy and padded rows) write nothing (-1)."""
+    r, e = tokens_per_state, rows_per_block
+    if positions.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=block_table.device)
+    entry = positions // r
+    col = (entry // e).clamp_(max=block_table.shape[1] - 1)
+    blocks = block_table[req_idx, col].to(torch.int64)
+    writes = ((positions + 1) % r == 0) & (blocks > 0) & ~replayed
+    return torch.where(writes, blocks * e + entry % e, PAD_SLOT)
+
+
+def ring_slots(ring_block_ids: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+               capacity: int) -> torch.Tensor:
+    """[T] int64 rows of a ring group: row p % capacity of the token's request's ring block; -1 for
+    requests without one (block 0)."""
+    ring = ring_block_ids.to(torch.int64)[req_idx]
+    return torch.where(ring > 0, ring * capacity + positions % capacity, PAD_SLOT)
 
 
 @dataclass
@@ -115,14 +147,39 @@ class DSV41GroupMetadata:
     rows_per_block: int
     # [num_reqs, max_blocks] int32, the runner's own table on its device (no host copy per step)
     block_table: torch.Tensor
-    # [num_tokens] int64 row each token writes, -1 = no write.  swa: the
-    # token's own row; compressed: row of entry p // r, written only by the
-    # token with (p + 1) % r == 0 and never for replayed tokens; ring: row
-    # p % capacity of the request's ring block.
-    slot_mapping: torch.Tensor
-    ring_block_ids: torch.Tensor | None  # [num_reqs] int32 (ring groups), on the table's device
     layer_names: list[str]
     step: DSV41StepMetadata = field(repr=False)
+    # [num_tokens] slots the builder was given: the runner's slot mapping of a SWA group (None for the
+    # groups whose slots are computed from the table, see ``slot_mapping``)
+    runner_slots: torch.Tensor | None = None
+    _slots: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        """[num_tokens] int64 row each token writes, -1 = no write.  swa: the token's own row (the
+        runner's); compressed: row of entry p // r, written only by the token with (p + 1) % r == 0 and
+        never for replayed tokens; ring: row p % capacity of the request's ring block.  Computed on
+        first use."""
+        if self._slots is None:
+            self._slots = self._make_slots()
+        return self._slots
+
+    def _make_slots(self) -> torch.Tensor:
+        if self.runner_slots is not None:
+            return self.runner_slots.to(torch.int64)
+        st, dev = self.step, self.block_table.device
+        pos, req = st.on("positions", dev, torch.int64), st.on("token_req_idx", dev, torch.int64)
+        if self.kind == "compressed":
+            return compressed_slots(self.block_table, pos, req, st.on("replayed", dev),
+                                    self.tokens_per_state, self.rows_per_block)
+        if self.kind == "ring":
+            return ring_slots(self.ring_block_ids, pos, req, self.block_size)
+        raise ValueError(f"{self.kind} group {self.layer_names[:1]}: no slot mapping given")
+
+    @property
+    def ring_block_ids(self) -> torch.Tensor | None:
+        """[num_reqs] int32 ring block of each request (ring groups: the table's first column), else None."""
+        return self.block_table[:, 0] if self.kind == "ring" else None
 
     def slots_of_entries(self, req_idx: int, entries: torch.Tensor) -> torch.Tensor:
         """Rows of a request's entries (token positions for swa, compressed
@@ -283,52 +340,19 @@ class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
                 info.step = step
 
         n, t = step.num_reqs, step.num_tokens
-        block_table = cm.block_table_tensor[:n]  # stays on the runner's device
-        dev = block_table.device
-        ring_block_ids = None
-        if self.kind == "swa":
-            slot_mapping = cm.slot_mapping[:t].to(torch.int64)
-        elif self.kind == "compressed":
-            slot_mapping = self._compressed_slots(step, block_table)
-        else:
-            ring_block_ids = block_table[:, 0].clone()
-            cap = self.kv_cache_spec.block_size
-            ring = ring_block_ids.to(torch.int64)[step.on("token_req_idx", dev, torch.int64)]
-            slot_mapping = ring * cap + step.on("positions", dev, torch.int64) % cap
-            slot_mapping = torch.where(ring > 0, slot_mapping, PAD_SLOT)
-
         metadata = DSV41GroupMetadata(
             kind=self.kind,
             block_size=self.kv_cache_spec.block_size,
             tokens_per_state=self.tokens_per_state,
             rows_per_block=self.rows_per_block,
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            ring_block_ids=ring_block_ids,
+            block_table=cm.block_table_tensor[:n],  # stays on the runner's device
             layer_names=list(self.layer_names),
             step=step,
+            runner_slots=cm.slot_mapping[:t] if self.kind == "swa" else None,
         )
         for name in self.layer_names:
             step.groups[name] = metadata
         return metadata
-
-    def _compressed_slots(
-        self, step: DSV41StepMetadata, block_table: torch.Tensor
-    ) -> torch.Tensor:
-        """Entry j = p // r is written by the token with (p + 1) % r == 0 at
-        row table[j // E] * E + j % E (E rows per block); replayed tokens and
-        tokens of dummy rows write nothing."""
-        r, e = self.tokens_per_state, self.rows_per_block
-        dev = block_table.device
-        pos = step.on("positions", dev, torch.int64)
-        if pos.numel() == 0:
-            return torch.empty(0, dtype=torch.int64, device=dev)
-        entry = pos // r
-        col = (entry // e).clamp_(max=block_table.shape[1] - 1)
-        blocks = block_table.to(torch.int64)[step.on("token_req_idx", dev, torch.int64), col]
-        slots = blocks * e + entry % e
-        writes = ((pos + 1) % r == 0) & (blocks > 0) & ~step.on("replayed", dev)
-        return torch.where(writes, slots, PAD_SLOT)
 
 
 class DSV41CacheBackend(AttentionBackend):

@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_dsv41.attention.backend import DSV41GroupMetadata, DSV41StepMetadata
+from vllm_dsv41.attention.backend import (DSV41GroupMetadata, DSV41StepMetadata, compressed_slots, replayed_mask,
+                                          ring_slots)
 from vllm_dsv41.model_executor.step import GroupView, Step
 
 logger = logging.getLogger(__name__)
@@ -108,11 +109,45 @@ def pad_decode_meta(meta: DSV41StepMetadata, batch: int) -> DSV41StepMetadata:
             pg = done[id(g)] = DSV41GroupMetadata(
                 kind=g.kind, block_size=g.block_size, tokens_per_state=g.tokens_per_state,
                 rows_per_block=g.rows_per_block, block_table=_pad(g.block_table, B, 0),
-                slot_mapping=_pad(g.slot_mapping, B, -1),
-                ring_block_ids=None if g.ring_block_ids is None else _pad(g.ring_block_ids, B, 0),
-                layer_names=g.layer_names, step=out)
+                layer_names=g.layer_names, step=out,
+                runner_slots=None if g.runner_slots is None else _pad(g.runner_slots, B, -1))
         out.groups[name] = pg
     return out
+
+
+class StaticGroupView(GroupView):
+    """A group's addressing for a :class:`StaticStep`: the block table (and a SWA group's runner slots) in
+    fixed buffers refilled by :meth:`StaticStep.load`; a compressed or ring group's slots and ring block
+    ids are computed from those buffers inside the step (so inside the captured graph, once per step,
+    instead of by the metadata builder on the host)."""
+
+    def __init__(self, md: DSV41GroupMetadata, device: torch.device, step: "StaticStep"):
+        super().__init__(md, device)
+        self.step = step
+        self.block_table_i32 = self.block_table_i32.clone()
+        self.runner_slots = (md.runner_slots.to(device=device, dtype=torch.int64).clone()
+                             if md.runner_slots is not None else None)
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        if self.runner_slots is not None:
+            return self.runner_slots
+        return self.step.once(("slots", id(self)), self._compute_slots)
+
+    @property
+    def ring_block_ids(self) -> torch.Tensor | None:
+        if self.kind != "ring":
+            return None
+        return self.step.once(("ring", id(self)), lambda: self.block_table_i32[:, 0].to(torch.int64))
+
+    def _compute_slots(self) -> torch.Tensor:
+        st, md = self.step, self.md
+        pos, req = st.positions, st.req_idx
+        if self.kind == "compressed":
+            replayed = st.once("replayed", lambda: replayed_mask(st.replay_start, req, pos, st.meta.replay_window))
+            return compressed_slots(self.block_table_i32, pos, req, replayed, md.tokens_per_state,
+                                    self.rows_per_block)
+        return ring_slots(self.ring_block_ids, pos, req, md.block_size)
 
 
 class StaticStep(Step):
@@ -130,11 +165,7 @@ class StaticStep(Step):
         for name, g in meta.groups.items():
             v = made.get(id(g))
             if v is None:
-                v = made[id(g)] = GroupView(g, device)
-                v.block_table_i32 = v.block_table_i32.clone()
-                v.slot_mapping = v.slot_mapping.clone()
-                if v.ring_block_ids is not None:
-                    v.ring_block_ids = v.ring_block_ids.clone()
+                v = made[id(g)] = StaticGroupView(g, device, self)
             self._views[name] = v
 
     # the metadata fields the model reads on the device (Step._on_device)
@@ -172,9 +203,8 @@ class StaticStep(Step):
             done.add(id(v))
             v.block_table_i32.copy_(g.block_table, non_blocking=True)
             v._bt64 = None  # the int64 view (plain path only) is remade from the buffer when read
-            v.slot_mapping.copy_(g.slot_mapping, non_blocking=True)
-            if g.ring_block_ids is not None:
-                v.ring_block_ids.copy_(g.ring_block_ids, non_blocking=True)
+            if v.runner_slots is not None:
+                v.runner_slots.copy_(g.runner_slots, non_blocking=True)
 
 
 class DecodeGraphs:

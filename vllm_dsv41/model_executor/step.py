@@ -23,18 +23,32 @@ class GroupView:
     """One KV-cache group's addressing for this step, on the step's device.
 
     ``block_table`` is int64 (indexing dtype), ``block_table_i32`` the int32 table the ops take;
-    ``slot_mapping`` / ``ring_block_ids`` as in :class:`DSV41GroupMetadata`.
+    ``slot_mapping`` / ``ring_block_ids`` (int64) as in :class:`DSV41GroupMetadata`, moved on first use.
     """
 
     def __init__(self, md: DSV41GroupMetadata, device: torch.device):
         self.md = md
+        self.device = device
         self.kind = md.kind
         self.rows_per_block = md.rows_per_block
         self.block_table_i32 = md.block_table.to(device=device, dtype=torch.int32)
         self._bt64: torch.Tensor | None = None
-        self.slot_mapping = md.slot_mapping.to(device=device, dtype=torch.int64)
-        self.ring_block_ids = (md.ring_block_ids.to(device=device, dtype=torch.int64)
-                               if md.ring_block_ids is not None else None)
+        self._slots: torch.Tensor | None = None
+        self._ring: torch.Tensor | None = None
+
+    @property
+    def slot_mapping(self) -> torch.Tensor:
+        if self._slots is None:
+            self._slots = self.md.slot_mapping.to(device=self.device, dtype=torch.int64)
+        return self._slots
+
+    @property
+    def ring_block_ids(self) -> torch.Tensor | None:
+        if self.kind != "ring":
+            return None
+        if self._ring is None:
+            self._ring = self.md.ring_block_ids.to(device=self.device, dtype=torch.int64)
+        return self._ring
 
     @property
     def block_table(self) -> torch.Tensor:
