@@ -5,8 +5,9 @@
 #   scripts/gpu/session.sh tests           # Marlin layers, tiny and small models end to end (pytest -m gpu)
 #   scripts/gpu/session.sh profile         # kernels of a bench decode step (graphs, eager) and a 16k prefill
 #   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block), swa_insert, rope, paged_rows
-#   scripts/gpu/session.sh sbs builtin     # side-by-side workloads, vLLM's built-in V4.1 (bench config)
-#   scripts/gpu/session.sh sbs plugin      # the same for our plugin, then the merged table
+#   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
+#   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merged table if builtin.json is in $OUT/sbs)
+#   scripts/gpu/session.sh sbs stress      # our plugin's no-crash sweep (batch 1..64, prompts up to 64k)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site
@@ -35,13 +36,20 @@ case "${1:-}" in
     timeout 100 python3 benchmarks/ops/bench_rope_paged_rows.py > "$OUT/bench-rope-paged-rows.log" 2>&1
     cat "$OUT"/bench-*.log | cut -c1-200 | tail -120 ;;
   sbs)
-    impl=${2:?builtin or plugin}
-    # the throughput targets compare the two stacks; the no-crash sweep is the plugin's target only
+    impl=${2:?builtin, plugin or stress}
+    # the throughput targets compare the two stacks (one call each: a call may last 10 minutes); the
+    # no-crash sweep is the plugin's target only
     args=(--only decode_b1,decode_b16,decode_b64,prefill_32k)
-    [ "$impl" = plugin ] && args=(--plugin-llm-args '{"kv_cache_memory_bytes": 17179869184}')
-    timeout 570 python3 benchmarks/e2e/side_by_side.py run --model /tmp/bench --impls "$impl" --out "$OUT/sbs" \
-      --timeout-per-impl 550 "${args[@]}" > "$OUT/sbs-$impl.log" 2>&1
-    grep -hE "^\[$impl\]" "$OUT"/sbs/"$impl"*.log | cut -c1-400
-    cat "$OUT/sbs/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | profile | sbs builtin|plugin" >&2; exit 2 ;;
+    out="$OUT/sbs"
+    if [ "$impl" = stress ]; then
+      impl=plugin
+      out="$OUT/sbs-stress"
+      args=(--only stress_1x65536,stress_8x16384,stress_32x8192,stress_64x4096,stress_64x1024)
+    fi
+    [ "$impl" = plugin ] && args+=(--plugin-llm-args '{"kv_cache_memory_bytes": 17179869184}')
+    timeout 570 python3 benchmarks/e2e/side_by_side.py run --model /tmp/bench --impls "$impl" --out "$out" \
+      --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
+    grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
+    cat "$out/table.md" 2>/dev/null | head -24 ;;
+  *) echo "usage: $0 ops | tests | bench | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac
