@@ -17,19 +17,31 @@ def test_fused_rms_norm_matches_reference():
     assert err < 1e-5, err
 
 
+N_OUT, K_IN = 4 * 64, 96
+
+
+def _fp8_layer(groups: int, g: torch.Generator) -> tuple[QuantLinear, torch.Tensor]:
+    """A quantised [N_OUT, K_IN] layer holding random FP8 bytes and tiles, and its dequantised weight."""
+    w, s = formats.quant_fp8_block(torch.randn(N_OUT, K_IN, generator=g) * 0.1, 32)
+    lin = QuantLinear(N_OUT, K_IN, quant=True, groups=groups)
+    lin.weight.data.copy_(w)
+    lin.scale.data.copy_(formats.as_uint8(s))
+    return lin, formats.dequant_fp8_block(w, s, 32)
+
+
+def _grouped_input(groups: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(3, groups, K_IN, generator=g) if groups > 1 else torch.randn(3, K_IN, generator=g)
+
+
 @pytest.mark.parametrize("groups", [1, 4])
 def test_quant_linear_keeps_bytes_and_dequantises_exactly(groups):
     g = torch.Generator().manual_seed(1)
-    N, K = 4 * 64, 96
-    w, s = formats.quant_fp8_block(torch.randn(N, K, generator=g) * 0.1, 32)
-    lin = QuantLinear(N, K, quant=True, groups=groups)
-    lin.weight.data.copy_(w)
-    lin.scale.data.copy_(formats.as_uint8(s))
-    ref = formats.dequant_fp8_block(w, s, 32)
+    N, K = N_OUT, K_IN
+    lin, ref = _fp8_layer(groups, g)
     assert torch.equal(lin.dequantized(), ref)
     lin.finalize()  # no-op off CUDA: the bytes stay as stored
     assert lin.marlin is None and lin.weight.dtype == torch.float8_e4m3fn
-    x = torch.randn(3, groups, K, generator=g) if groups > 1 else torch.randn(3, K, generator=g)
+    x = _grouped_input(groups, g)
     want = (torch.einsum("tgk,gok->tgo", x, ref.view(groups, N // groups, K)) if groups > 1 else x @ ref.t())
     assert torch.equal(lin(x), want)
 
@@ -117,17 +129,13 @@ def test_bf16_dense_gemm_backend(groups, monkeypatch):
     monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
     monkeypatch.setattr(linear, "on_marlin_device", lambda t: True)
     g = torch.Generator().manual_seed(3)
-    N, K = 4 * 64, 96
-    w, s = formats.quant_fp8_block(torch.randn(N, K, generator=g) * 0.1, 32)
-    lin = QuantLinear(N, K, quant=True, groups=groups)
-    lin.weight.data.copy_(w)
-    lin.scale.data.copy_(formats.as_uint8(s))
-    w16 = formats.dequant_fp8_block(w, s, 32).to(torch.bfloat16)
+    lin, ref = _fp8_layer(groups, g)
+    w16 = ref.to(torch.bfloat16)
     lin.finalize()
     assert lin.marlin is None and torch.equal(lin.w16, w16) and not hasattr(lin, "weight")
-    x = torch.randn(3, groups, K, generator=g) if groups > 1 else torch.randn(3, K, generator=g)
+    x = _grouped_input(groups, g)
     xb = x.to(torch.bfloat16)
-    want = (torch.einsum("tgk,gok->tgo", xb, w16.view(groups, N // groups, K)) if groups > 1
+    want = (torch.einsum("tgk,gok->tgo", xb, w16.view(groups, N_OUT // groups, K_IN)) if groups > 1
             else torch.nn.functional.linear(xb, w16))
     got = lin(x)
     assert got.dtype == x.dtype and torch.equal(got, want.float())
