@@ -16,7 +16,7 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
   (:func:`marlin_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
   reference; :func:`masked_moe` inside captured decode steps, where the host may not read the routing).
 
-Why (docs/design.md, "Hopper weights"): Marlin is the W8A16 / W4A16 path vLLM 0.32 ships for SM90 that
+Why (docs/design.md, "Hopper path (CUDA)", Weights): Marlin is the W8A16 / W4A16 path vLLM 0.32 ships for SM90 that
 takes the checkpoint's own scales without requantisation; for the FP8 dense weights the H200 measured
 cuBLAS bf16 about 3x faster than Marlin's MXFP8 GEMM at every token count (32-element scale groups),
 at twice the bytes of those weights (benchmarks/ops/bench_gemm.py, docs/benchmarks.md).
