@@ -36,20 +36,14 @@ SHAPES = [("wq_a+wkv", 1280 + 512, 5120), ("wq_b", 64 * 512, 1280), ("wo_a group
 E, TOPK, H, I = 32, 6, 5120, 2304
 
 
-def time_us(fn, iters: int = 50) -> float:
-    """Median µs of ``fn()`` over ``iters`` CUDA-event-timed calls, after a warm-up."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
+def time_us(fn) -> float:
+    """Median µs of ``fn()`` by ``triton.testing.do_bench``: L2 flushed before every call (a layer's weights
+    are not in L2 when it runs) and the host's launch work overlapped with that flush.  (Until 2026-11-30
+    this timed one call between two CUDA events on an idle GPU, which added the host's launch time: at
+    decode sizes that was most of what it measured.)"""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:

@@ -18,8 +18,8 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
 
 Why (docs/design.md, "Hopper path (CUDA)", Weights): Marlin is the W8A16 / W4A16 path vLLM 0.32 ships for SM90 that
 takes the checkpoint's own scales without requantisation; for the FP8 dense weights the H200 measured
-cuBLAS bf16 about 3x faster than Marlin's MXFP8 GEMM at every token count (32-element scale groups),
-at twice the bytes of those weights (benchmarks/ops/bench_gemm.py, docs/benchmarks.md).
+cuBLAS bf16 at about a third of Marlin's MXFP8 GEMM time at prefill sizes, for twice the bytes of those
+weights (benchmarks/ops/bench_gemm.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
