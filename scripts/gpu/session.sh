@@ -2,7 +2,7 @@
 # One step of a GPU session on the H200 device machine, after ../shared/gpu/README.md's bundle install.
 # Logs go under $OUT.  Each step stays under the device tool's 10-minute call limit.
 #   scripts/gpu/session.sh ops             # every op against its reference on the GPU (tests/ops)
-#   scripts/gpu/session.sh tests           # Marlin layers, tiny and small models end to end (pytest -m gpu)
+#   scripts/gpu/session.sh tests           # tiny model vs CPU reference, weight layers, small model (pytest -m gpu)
 #   scripts/gpu/session.sh profile         # kernels of a bench decode step (graphs, eager) and a 16k prefill
 #   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block), swa_insert, rope, paged_rows
 #   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
@@ -22,10 +22,9 @@ case "${1:-}" in
     timeout 560 python3 -m pytest -q -n 12 -p no:cacheprovider tests/ops tests/test_formats.py > "$OUT/ops-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/ops-tests.log" | tail -30 ;;
   tests)
-    timeout 120 python3 -m pytest -q -s -p no:cacheprovider tests/ops/test_rope.py tests/ops/test_swa_insert.py \
-      tests/ops/test_sparse_attn.py::test_cuda_real_sizes_fp32_default_config > "$OUT/ops-new.log" 2>&1
-    grep -E "passed|failed|does not fit" "$OUT/ops-new.log" | tail -5
-    timeout 440 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu > "$OUT/gpu-tests.log" 2>&1
+    # the tiny checkpoint vs the CPU reference first (an acceptance check), then the weight layers, then the small model
+    timeout 440 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tiny_cuda.py tests/gpu/test_marlin_weights.py \
+      tests/gpu/test_fast_path_cuda.py > "$OUT/gpu-tests.log" 2>&1
     grep -E "passed|failed|error|equal|divergence|rel err" "$OUT/gpu-tests.log" | tail -40 ;;
   profile)
     timeout 560 python3 scripts/gpu/profile_steps.py /tmp/bench > "$OUT/profile.log" 2>&1
