@@ -6,7 +6,7 @@
 #   scripts/gpu/session.sh profile         # kernels of a bench decode step (graphs, eager) and a 16k prefill
 #   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block), swa_insert, rope, paged_rows
 #   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
-#   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merged table if builtin.json is in $OUT/sbs)
+#   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merge: side_by_side.py table plugin.json builtin.json)
 #   scripts/gpu/session.sh sbs stress      # our plugin's no-crash sweep (batch 1..64, prompts up to 64k)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
