@@ -3,9 +3,9 @@
 The checkpoint's dense weights are E4M3 with one UE8M0 scale per 32x32 tile.  Candidates (vLLM 0.32
 on an H200), each timed at the token counts of decode (1..64) and prefill (512..16384):
 
-- ``marlin``:      what the model runs: Marlin W8A16 MXFP8 (tiles -> 1x32 row scales, exact repack),
-                   bf16 activations (``QuantLinear.finalize``);
-- ``bf16``:        cuBLAS on the dequantised weights in bf16 (2x the weight bytes; the W16A16 bound);
+- ``marlin``:      Marlin W8A16 MXFP8 (tiles -> 1x32 row scales, exact repack), bf16 activations
+                   (``VLLM_DSV41_DENSE_GEMM=marlin``);
+- ``bf16``:        cuBLAS on the dequantised weights in bf16 (2x the weight bytes; the model's default);
 - ``fp8-cutlass``: W8A8 DeepSeek-V3 style: activations quantised per 1x128 group, weights re-blocked to
                    128x128 UE8M0 scales, vLLM's CUTLASS blockwise ``cutlass_scaled_mm`` (the quantise
                    kernel included in the time);
@@ -15,7 +15,8 @@ Re-blocking 32x32 power-of-two scales to 128x128 keeps every weight whose tile s
 largest; the others shift by a power of two (exact unless they underflow E4M3).  The error column is
 the relative Frobenius error against the fp32 product of the bf16-rounded input and the checkpoint's
 dequantised weights.  Then the grouped ``wo_a`` (per-group Marlin GEMMs, one all-rows GEMM + diagonal,
-bf16 batched GEMM) and the routed experts (E 32, top-6, MXFP4) through ``fused_marlin_moe``.
+bf16 batched GEMM) and the routed experts (E 32, top-6, MXFP4) through vLLM's ``fused_marlin_moe`` (the
+default) and our experimental ``dsv41::moe_mxfp4`` (``VLLM_DSV41_MOE=triton``).
 
     PYTHONPATH=/tmp/site python3 benchmarks/ops/bench_gemm.py [--tokens 1 16 64 512 4096 16384]
 """
@@ -28,7 +29,7 @@ import torch
 
 from _common import HBM_BYTES_PER_S, open_gpu
 from vllm_dsv41 import formats
-from vllm_dsv41.model_executor.linear import Expert, QuantLinear, marlin_expert_stack, marlin_moe
+from vllm_dsv41.model_executor.linear import Expert, QuantLinear, marlin_expert_stack, marlin_moe, mxfp4_expert_stack
 
 # (name, N, K) of the bench config's dense GEMMs (hidden 5120, q_lora 1280, 64 x 512 heads, o_lora 1024)
 SHAPES = [("wq_a+wkv", 1280 + 512, 5120), ("wq_b", 64 * 512, 1280), ("wo_a group", 1024, 8 * 512),
@@ -121,11 +122,20 @@ def grouped_rows(T: int, G: int = 8, O: int = 1024, K: int = 4096) -> list[tuple
     return rows
 
 
-def moe_row(T: int, stack, limit: float) -> tuple[float, int]:
-    x = torch.randn(T, H, device="cuda") * 0.5
+def moe_rows(T: int, marlin_stack, mx_stack, limit: float) -> tuple[list[tuple[str, float, float]], int]:
+    """(path, µs, rel err vs the op's reference) for vLLM's Marlin MoE and our ``dsv41::moe_mxfp4`` (Triton),
+    and the number of experts the routing hits."""
+    from vllm_dsv41.ops.moe_mxfp4 import _moe_mxfp4_triton, moe_mxfp4_ref
+
+    x = (torch.randn(T, H, device="cuda") * 0.5).to(torch.bfloat16)
     logits = torch.randn(T, E, device="cuda")
     wts, idx = torch.softmax(logits, -1).topk(TOPK, -1)
-    return time_us(lambda: marlin_moe(x, stack, idx, wts, limit)), idx.unique().numel()
+    ref = moe_mxfp4_ref(x[:64], *mx_stack, idx[:64], wts[:64], limit).float()  # the first rows (the reference is slow)
+    rows = []
+    for name, fn in (("marlin", lambda: marlin_moe(x, marlin_stack, idx, wts, limit)),
+                     ("triton", lambda: _moe_mxfp4_triton(x, *mx_stack, idx, wts, limit))):
+        rows.append((name, time_us(fn), rel_err(fn()[:64], ref)))
+    return rows, idx.unique().numel()
 
 
 def main() -> int:
@@ -156,16 +166,20 @@ def main() -> int:
             packed, scale = formats.quant_mxfp4(torch.randn(*shape, device="cuda") * 0.05)
             getattr(ex, name).weight.data.copy_(packed.view(torch.int8))
             getattr(ex, name).scale.data.copy_(formats.as_uint8(scale))
-    stack = marlin_expert_stack(experts)
+    marlin_stack, mx_stack = marlin_expert_stack(experts), mxfp4_expert_stack(experts)
     del experts
     per_expert = 3 * H * I // 2  # MXFP4 bytes (scales aside)
-    print(f"\nrouted experts, fused_marlin_moe: E={E} top-{TOPK} H={H} I={I} MXFP4")
-    print(f"{'T':>6} {'experts hit':>11} {'µs':>9} {'weight GB/s':>11} {'% 4.8TB/s':>9} {'TFLOP/s':>8}")
+    print(f"\nrouted experts: vLLM's fused_marlin_moe and dsv41::moe_mxfp4 (Triton), E={E} top-{TOPK} H={H} I={I} "
+          "MXFP4 (rel err: the first 64 rows against the op's reference)")
+    print(f"{'T':>6} {'experts hit':>11} {'path':>7} {'µs':>9} {'weight GB/s':>11} {'% 4.8TB/s':>9} {'TFLOP/s':>8} "
+          f"{'rel err':>8}")
     for T in args.tokens:
-        us, hit = moe_row(T, stack, 10.0)
+        rows, hit = moe_rows(T, marlin_stack, mx_stack, 10.0)
         wbytes = hit * per_expert
-        print(f"{T:>6} {hit:>11} {us:9.1f} {wbytes / us / 1e3:11.0f} "
-              f"{100 * wbytes / us / 1e-6 / HBM_BYTES_PER_S:8.1f}% {2 * T * TOPK * 3 * H * I / us / 1e6:8.1f}")
+        for name, us, err in rows:
+            print(f"{T:>6} {hit:>11} {name:>7} {us:9.1f} {wbytes / us / 1e3:11.0f} "
+                  f"{100 * wbytes / us / 1e-6 / HBM_BYTES_PER_S:8.1f}% {2 * T * TOPK * 3 * H * I / us / 1e6:8.1f} "
+                  f"{err:8.1e}")
     return 0
 
 

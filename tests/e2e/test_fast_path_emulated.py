@@ -102,15 +102,16 @@ def _layout(m, dtype: torch.dtype) -> dict:
         "q_dtype": {a.q_dtype for a in attn} == {dtype},
         "wqkv_a fused": all(a.wqkv_a is not None for a in attn),
         "wo_a all rows": all((a.wo_a.marlin_all is not None) == (a.wo_a.marlin is not None) for a in attn),
-        "experts stacked": all(f.marlin is not None for f in ffn),
+        "experts stacked": all((f.marlin is not None) != (f.mxfp4 is not None) for f in ffn),
+        "moe": "triton" if all(f.mxfp4 is not None for f in ffn) else "marlin",
         "shared w13": all(f.shared_experts.w13 is not None for f in ffn),
         "head": m.head.weight.dtype == dtype,
     }
 
 
-def fast_layout(gemm: str) -> dict:
+def fast_layout(gemm: str, moe: str = "marlin") -> dict:
     return {"cuda_fast": True, "dense gemm": gemm, "bf16 weights in dtype": True, "q_dtype": True, "wqkv_a fused": True,
-            "wo_a all rows": True, "experts stacked": True, "shared w13": True, "head": True}
+            "wo_a all rows": True, "experts stacked": True, "moe": moe, "shared w13": True, "head": True}
 
 
 def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
@@ -139,14 +140,17 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
     assert same == len(prompts)
 
 
-@pytest.mark.parametrize("gemm", ["bf16", "marlin"])
-def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
+@pytest.mark.parametrize("gemm,moe", [("bf16", "marlin"), ("marlin", "marlin"), ("bf16", "triton")])
+def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, moe):
     """fp32: the fast path's code with fp32 where the GPU uses bf16 gives the dequantised ops path's logits
-    (every step, whole vocabulary) to fp32 rounding, for both dense GEMM backends: the fused GEMMs' splits,
-    the grouped wo_a (batched on the dequantised weights; on Marlin the all-rows diagonal at decode and
-    per-group GEMMs at prefill), the shared expert and the routed stack compute the same products."""
+    (every step, whole vocabulary) to fp32 rounding, for both dense GEMM backends and both routed-expert
+    paths: the fused GEMMs' splits, the grouped wo_a (batched on the dequantised weights; on Marlin the
+    all-rows diagonal at decode and per-group GEMMs at prefill), the shared expert and the routed stack
+    (Marlin's stand-in, or ``dsv41::moe_mxfp4`` whose CPU implementation is its reference) compute the same
+    products."""
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, gemm)
+    monkeypatch.setenv(linear.MOE_ENV, moe)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
     if (None, "1") not in _RAW_LOGITS:
         with engine(tiny_ckpt, exact=True, **kw) as llm:
@@ -155,6 +159,6 @@ def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
     with engine(tiny_ckpt, exact=True, **kw) as llm:
         layout = llm.apply_model(lambda m: _layout(m, torch.float32))[0]
         got = [_vocab_logits(o) for o in _generate(llm, prompts, logits=True)]
-    assert layout == fast_layout(gemm), layout
+    assert layout == fast_layout(gemm, moe), layout
     worst = _assert_logits_close(_RAW_LOGITS[(None, "1")], got, "emulated fast path (fp32) and dequantised path")
-    print(f"emulated fast path ({gemm} dense GEMMs) in fp32 vs dequantised: largest |logit difference| {worst:.2e}")
+    print(f"emulated fast path ({gemm} dense GEMMs, {moe} MoE) in fp32 vs dequantised: largest |logit difference| {worst:.2e}")

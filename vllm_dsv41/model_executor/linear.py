@@ -13,7 +13,8 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
 * :class:`Expert` - a routed expert (MXFP4, 1x32 UE8M0).  Quantised on CUDA, a layer's experts are
   stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
   Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
-  (:func:`marlin_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
+  (:func:`marlin_moe`), or with ``VLLM_DSV41_MOE=triton`` (:func:`moe_backend`, experimental) through our
+  ``dsv41::moe_mxfp4`` on the stacked bytes (:func:`mxfp4_expert_stack`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
   reference; :func:`masked_moe` inside captured decode steps, where the host may not read the routing).
 
 Why (docs/design.md, "Hopper path (CUDA)", Weights): Marlin is the W8A16 / W4A16 path vLLM 0.32 ships for SM90 that
@@ -37,6 +38,7 @@ from vllm_dsv41.checkpoint import E8M0, FP8, I8
 
 WEIGHTS_ENV = "VLLM_DSV41_WEIGHTS"
 DENSE_GEMM_ENV = "VLLM_DSV41_DENSE_GEMM"
+MOE_ENV = "VLLM_DSV41_MOE"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -57,6 +59,15 @@ def dense_gemm_backend() -> str:
     v = os.environ.get(DENSE_GEMM_ENV, "bf16").strip().lower() or "bf16"
     if v not in ("bf16", "marlin"):
         raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16 or marlin")
+    return v
+
+
+def moe_backend() -> str:
+    """``VLLM_DSV41_MOE``: the routed experts on the fast CUDA path - ``marlin`` (default; vLLM's Marlin MXFP4
+    fused MoE) or ``triton`` (experimental: ``dsv41::moe_mxfp4`` on the checkpoint's own MXFP4 bytes)."""
+    v = os.environ.get(MOE_ENV, "marlin").strip().lower() or "marlin"
+    if v not in ("marlin", "triton"):
+        raise ValueError(f"{MOE_ENV}={v!r}: expected marlin or triton")
     return v
 
 
@@ -307,6 +318,16 @@ class Expert(nn.Module):
         return formats.dequant_mxfp4(sub.weight, sub.scale.view(E8M0))
 
 
+def mxfp4_expert_stack(experts: nn.ModuleList) -> tuple[torch.Tensor, ...]:
+    """Quantised :class:`Expert` s -> their bytes stacked (w13 [E, 2I, H/2], w13 scales [E, 2I, H/32], w2
+    [E, H, I/2], w2 scales [E, H, I/32]; uint8), w13 = [w1; w3]: the layout of ``dsv41::moe_mxfp4``."""
+    w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in experts]).view(torch.uint8)
+    s13 = torch.stack([torch.cat((e.w1.scale, e.w3.scale)) for e in experts])
+    w2 = torch.stack([e.w2.weight for e in experts]).view(torch.uint8)
+    s2 = torch.stack([e.w2.scale for e in experts])
+    return w13, s13, w2, s2
+
+
 def marlin_expert_stack(experts: nn.ModuleList) -> tuple[torch.Tensor, ...]:
     """Quantised :class:`Expert` s on CUDA -> Marlin MXFP4 (w13, w2, w13 scales, w2 scales), w13 = [w1; w3]."""
     import types
@@ -314,10 +335,7 @@ def marlin_expert_stack(experts: nn.ModuleList) -> tuple[torch.Tensor, ...]:
     from vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 import (
         prepare_moe_mxfp4_layer_for_marlin)
 
-    w13 = torch.stack([torch.cat((e.w1.weight, e.w3.weight)) for e in experts]).view(torch.uint8)
-    s13 = torch.stack([torch.cat((e.w1.scale, e.w3.scale)) for e in experts])
-    w2 = torch.stack([e.w2.weight for e in experts]).view(torch.uint8)
-    s2 = torch.stack([e.w2.scale for e in experts])
+    w13, s13, w2, s2 = mxfp4_expert_stack(experts)
     w13, w2, s13, s2, _, _ = prepare_moe_mxfp4_layer_for_marlin(types.SimpleNamespace(params_dtype=torch.bfloat16),
                                                                 w13, w2, s13, s2, None, None)
     return w13, w2, s13, s2

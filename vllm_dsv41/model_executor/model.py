@@ -40,7 +40,7 @@ from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fuse_rows_on_cuda,
                                               fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
-                                              masked_moe, on_marlin_device)
+                                              masked_moe, moe_backend, mxfp4_expert_stack, on_marlin_device)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -79,7 +79,8 @@ def use_ops(mode: str, device: torch.device) -> bool:
 @functools.cache
 def _ops():
     """``torch.ops.dsv41`` with every op of the package registered."""
-    from vllm_dsv41.ops import compressor, indexer, mhc, rope, router, sparse_attn, swa_insert, topk  # noqa: F401
+    from vllm_dsv41.ops import (compressor, indexer, mhc, moe_mxfp4, rope, router, sparse_attn,  # noqa: F401
+                                swa_insert, topk)
 
     return torch.ops.dsv41
 
@@ -466,12 +467,16 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(H, I, wf.quant) for _ in range(plan.n_routed_experts))
         self.shared_experts = SharedExpert(H, I * cfg.n_shared_experts, wf.quant, self.limit)
         self.marlin: tuple[torch.Tensor, ...] | None = None  # stacked MXFP4 experts (quantised, CUDA)
+        self.mxfp4: tuple[torch.Tensor, ...] | None = None  # the same for dsv41::moe_mxfp4 (VLLM_DSV41_MOE=triton)
         self.act_dtype = wf.dense_dtype  # the experts' input dtype on the fast path
 
     def finalize(self) -> None:
-        """After loading: quantised experts on CUDA become one Marlin MXFP4 stack."""
+        """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, or ours)."""
         if self.experts[0].quant and on_marlin_device(self.gate.weight):
-            self.marlin = marlin_expert_stack(self.experts)
+            if moe_backend() == "triton":
+                self.mxfp4 = mxfp4_expert_stack(self.experts)
+            else:
+                self.marlin = marlin_expert_stack(self.experts)
             del self.experts
 
     def forward(self, x: torch.Tensor, ops: bool = False) -> torch.Tensor:
@@ -482,6 +487,9 @@ class MoE(nn.Module):
         if self.marlin is not None:  # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
             xb = x.to(self.act_dtype)
             return marlin_moe(xb, self.marlin, idx, wts, self.limit) + self.shared_experts(xb)
+        if self.mxfp4 is not None:
+            xb = x.to(self.act_dtype)
+            return _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit) + self.shared_experts(xb)
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)
 

@@ -1,0 +1,116 @@
+"""``dsv41::moe_mxfp4`` (experimental MXFP4 MoE) against its reference and the model's own expert loop (the
+Triton kernel in the interpreter on CPU and compiled on CUDA).  ``python -m tests.ops.test_moe_mxfp4 --interpret``
+is the interpreter run."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
+from vllm_dsv41 import formats
+
+
+def make_case(T: int, H: int, I: int, E: int, k: int, device: str = "cpu", seed: int = 0):
+    """Random MXFP4 experts, inputs and routing, made on ``device`` (the bench shapes are too big for the CPU)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13, s13 = formats.quant_mxfp4(torch.randn(E, 2 * I, H, generator=g, device=device) * 0.05)
+    w2, s2 = formats.quant_mxfp4(torch.randn(E, H, I, generator=g, device=device) * 0.05)
+    x = torch.randn(T, H, generator=g, device=device) * 4
+    idx = torch.rand(T, E, generator=g, device=device).argsort(1)[:, :k]  # k distinct experts per token
+    wts = torch.rand(T, k, generator=g, device=device)
+    return x, w13.view(torch.uint8), formats.as_uint8(s13), w2.view(torch.uint8), formats.as_uint8(s2), idx, wts
+
+
+@pytest.mark.parametrize("T,k,E,block", [(1, 6, 32, 16), (5, 2, 4, 16), (64, 6, 32, 16), (3, 3, 8, 4)])
+def test_align_by_expert(T, k, E, block):
+    from vllm_dsv41.ops.moe_mxfp4 import align_by_expert
+
+    g = torch.Generator().manual_seed(T * k)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    ids, experts = align_by_expert(idx, E, block)
+    n = T * k
+    assert ids.numel() % block == 0 and ids.numel() == experts.numel() * block
+    real = ids[ids < n]
+    assert sorted(real.tolist()) == list(range(n)), "every (token, slot) exactly once"
+    flat = idx.reshape(-1)
+    for b, e in enumerate(experts.tolist()):
+        rows = ids[b * block:(b + 1) * block]
+        rows = rows[rows < n]
+        if e < 0:
+            assert rows.numel() == 0
+        else:
+            assert (flat[rows.long()] == e).all(), f"block {b} mixes experts"
+    assert (ids[ids >= n] == n).all()
+
+
+def test_cpu_op_is_the_reference():
+    import vllm_dsv41.ops.moe_mxfp4  # noqa: F401
+    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
+
+    case = make_case(5, 64, 64, 4, 2)
+    assert torch.equal(torch.ops.dsv41.moe_mxfp4(*case, 1.5), moe_mxfp4_ref(*case, 1.5))
+
+
+def test_reference_is_the_models_expert_loop():
+    """The op's maths is the model's routed-expert reference (``linear.loop_moe`` over the same MXFP4 experts),
+    with a clamp limit that bites."""
+    from vllm_dsv41.model_executor.linear import Expert, loop_moe
+    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
+
+    T, H, I, E, k, limit = 6, 64, 64, 4, 2, 0.5
+    x, w13, s13, w2, s2, idx, wts = make_case(T, H, I, E, k)
+    experts = nn.ModuleList(Expert(H, I, quant=True) for _ in range(E))
+    for e, ex in enumerate(experts):
+        ex.w1.weight.data.copy_(w13[e, :I].view(torch.int8))
+        ex.w3.weight.data.copy_(w13[e, I:].view(torch.int8))
+        ex.w1.scale.data.copy_(s13[e, :I])
+        ex.w3.scale.data.copy_(s13[e, I:])
+        ex.w2.weight.data.copy_(w2[e].view(torch.int8))
+        ex.w2.scale.data.copy_(s2[e])
+    want = loop_moe(x, experts, idx, wts, limit)
+    got = moe_mxfp4_ref(x, w13, s13, w2, s2, idx, wts, limit)
+    assert_close("moe_mxfp4_ref vs loop_moe", want, got, ratio=1e-6)
+
+
+def _kernel_vs_ref(T, H, I, E, k, device, dtype=torch.float32, limit=2.0):
+    """The interpreter multiplies in fp32 (tight bound); compiled, the kernel rounds A (x, then the activation)
+    to bf16 for its tensor-core dots, which the reference does for x only."""
+    from vllm_dsv41.ops.moe_mxfp4 import _moe_mxfp4_triton, moe_mxfp4_ref
+
+    case = make_case(T, H, I, E, k, device, seed=T + E)
+    x = case[0].to(dtype)
+    got = _moe_mxfp4_triton(x, *case[1:], limit)
+    xr = x.float() if device == "cpu" else x.to(torch.bfloat16).float()
+    ref = moe_mxfp4_ref(xr, *case[1:], limit)
+    assert got.dtype == dtype and got.shape == (T, H)
+    tight = device == "cpu" and dtype == torch.float32
+    assert_close(f"moe_mxfp4 T={T} H={H} I={I} E={E} k={k} {dtype}", ref.cpu(), got.cpu().float(),
+                 ratio=1e-5 if tight else 2e-2)
+
+
+def _interpreter_main() -> int:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
+    _kernel_vs_ref(5, 64, 64, 4, 2, "cpu")
+    _kernel_vs_ref(1, 128, 64, 8, 3, "cpu")
+    _kernel_vs_ref(19, 64, 128, 3, 2, "cpu", torch.bfloat16)
+    _kernel_vs_ref(4, 96, 32, 4, 2, "cpu")  # K = 96 and 32: 32-wide K steps
+    return 0
+
+
+def test_triton_interpreter():
+    run_under_interpreter(["-m", "tests.ops.test_moe_mxfp4", "--interpret"])
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 16, 64, 512])
+def test_cuda_real_sizes(T):
+    _kernel_vs_ref(T, 5120, 2304, 32, 6, "cuda", torch.bfloat16, limit=10.0)
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    sys.exit(_interpreter_main())
