@@ -166,7 +166,9 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.
                   a_row_div: int, n_rows: int, wts: torch.Tensor | None, block_n: int = 64) -> torch.Tensor:
     """Rows ``ids`` (flat indices < n_rows) of A[flat // a_row_div] @ W[expert]^T, times ``wts[flat]`` if given."""
     E, N, K2 = w.shape
-    block_k = 64 if K2 % 32 == 0 else 32  # K = 2 * K2, a multiple of 32 (one scale per 32 inputs)
+    # K = 2 * K2 is a multiple of 32 (one scale per 32 inputs); the widest step that divides it, up to 128 inputs
+    # (64 bytes of each weight row per load)
+    block_k = next(b for b in (128, 64, 32) if (2 * K2) % b == 0)
     c = torch.empty(n_rows, N, dtype=a.dtype, device=a.device)
     a = a.contiguous()
     grid = (experts.numel(), -(-N // block_n))
