@@ -41,7 +41,7 @@ BLOCK_M = 16  # rows per expert block (the smallest tl.dot M)
 
 def _check(x, w13, s13, w2, s2, idx, wts) -> tuple[int, int, int, int, int]:
     T, H = x.shape
-    E, N1, Hh = w13.shape
+    E, N1, _ = w13.shape
     I = N1 // 2
     k = idx.shape[1] if idx.dim() == 2 else -1
     want = {"w13": (E, 2 * I, H // 2), "s13": (E, 2 * I, H // 32), "w2": (E, H, I // 2), "s2": (E, H, I // 32),
