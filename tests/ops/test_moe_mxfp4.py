@@ -56,6 +56,16 @@ def test_cpu_op_is_the_reference():
     assert torch.equal(torch.ops.dsv41.moe_mxfp4(*case, 1.5), moe_mxfp4_ref(*case, 1.5))
 
 
+def test_bad_shapes_name_the_tensor():
+    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
+
+    x, w13, s13, w2, s2, idx, wts = make_case(3, 64, 64, 4, 2)
+    with pytest.raises(ValueError, match=r"s13 \(4, 128, 1\), expected \(4, 128, 2\)"):
+        moe_mxfp4_ref(x, w13, s13[..., :1], w2, s2, idx, wts, 1.0)
+    with pytest.raises(ValueError, match="wts"):
+        moe_mxfp4_ref(x, w13, s13, w2, s2, idx, wts[:, :1], 1.0)
+
+
 def test_reference_is_the_models_expert_loop():
     """The op's maths is the model's routed-expert reference (``linear.loop_moe`` over the same MXFP4 experts),
     with a clamp limit that bites."""
