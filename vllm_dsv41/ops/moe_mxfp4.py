@@ -19,9 +19,10 @@ such block and BLOCK_N output columns and walks K in BLOCK_K steps: it gathers i
 packed bytes and scales of its expert's BLOCK_N rows once, decodes the low and high nibbles (even and odd
 inputs) and multiplies them against A's even and odd columns (two dots, no interleave).  The first GEMM
 writes [T*k, 2I] rows in (token, slot) order, the clamped SwiGLU runs in torch, the second GEMM scales its
-rows by the routing weights, and the k rows of a token are summed.  Checked without a GPU: the kernel builds
-for sm_90 (Triton 3.9, ptxas) without spills at the launch configs used (128-input K steps with 8 warps:
-175 registers; 64 with 4: 173; 128 with 4 warps would spill).
+rows by the routing weights, and the k rows of a token are summed.  Checked without a GPU
+(``test_kernel_builds_for_sm90_without_spills``): the kernel builds for sm_90 with Triton's ptxas and keeps
+everything in registers at the launch configs used (128-input K steps with 8 warps: 175 registers under
+Triton 3.9; 64 with 4: 173; 128 with 4 warps would spill).
 """
 
 from __future__ import annotations
@@ -164,6 +165,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _num_warps(block_k: int) -> int:
+    """Warps per program for a K step of ``block_k`` inputs (8 at 128: with 4 the decoded tile spills)."""
+    return 8 if block_k == 128 else 4
+
+
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor,
                   a_row_div: int, n_rows: int, wts: torch.Tensor | None, block_n: int = 64) -> torch.Tensor:
     """Rows ``ids`` (flat indices < n_rows) of A[flat // a_row_div] @ W[expert]^T, times ``wts[flat]`` if given."""
@@ -177,7 +183,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.
     _kernels()[grid](a, w, s, c, ids, experts, wts if wts is not None else c, N, 2 * K2, a_row_div, n_rows,
                      a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
                      BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, MUL_W=wts is not None,
-                     BF16_DOT=not _interpreting(), num_warps=8 if block_k == 128 else 4)
+                     BF16_DOT=not _interpreting(), num_warps=_num_warps(block_k))
     return c
 
 
