@@ -109,6 +109,7 @@ def _interpreter_main() -> int:
     _kernel_vs_ref(1, 128, 64, 8, 3, "cpu")
     _kernel_vs_ref(19, 64, 128, 3, 2, "cpu", torch.bfloat16)
     _kernel_vs_ref(4, 96, 32, 4, 2, "cpu")  # K = 96 and 32: 32-wide K steps
+    _kernel_vs_ref(70, 64, 64, 4, 2, "cpu")  # 140 pairs over 4 experts: 64-row blocks
     return 0
 
 
@@ -116,8 +117,9 @@ def test_triton_interpreter():
     run_under_interpreter(["-m", "tests.ops.test_moe_mxfp4", "--interpret"])
 
 
-@pytest.mark.parametrize("block_k", [128, 64, 32])
-def test_kernel_builds_for_sm90_without_spills(block_k):
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("K", [5120, 2304, 96, 32])
+def test_kernel_builds_for_sm90_without_spills(block_m, K):
     """The launch configs ``_grouped_gemm`` uses compile for Hopper (Triton's own ptxas, no GPU needed) and keep
     every value in registers: a spill would be local-memory traffic inside the weight stream."""
     import importlib.util
@@ -141,9 +143,9 @@ def test_kernel_builds_for_sm90_without_spills(block_k):
            "wts_ptr": "*fp32", **{n: "i32" for n in ("N", "K", "a_row_div", "n_valid", "stride_am", "stride_we",
                                                      "stride_wn", "stride_se", "stride_sn", "stride_cm")},
            **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "MUL_W", "BF16_DOT")}}
-    src = ASTSource(fn=m._kernels(), signature=sig, constexprs={"BLOCK_M": m.BLOCK_M, "BLOCK_N": 64, "BLOCK_K": block_k,
-                                                                "MUL_W": True, "BF16_DOT": True})
-    num_warps = m._num_warps(block_k)
+    cfg = m.launch_config(block_m, K)
+    num_warps = cfg.pop("num_warps")
+    src = ASTSource(fn=m._kernels(), signature=sig, constexprs={**cfg, "MUL_W": True, "BF16_DOT": True})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -151,12 +153,12 @@ def test_kernel_builds_for_sm90_without_spills(block_k):
         usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     line = next(ln for ln in usage.splitlines() if "REG:" in ln)
     regs, stack = (int(re.search(rf"{key}:(\d+)", line).group(1)) for key in ("REG", "STACK"))
-    print(f"moe_mxfp4 kernel, BLOCK_K {block_k}, {num_warps} warps: {regs} registers, stack {stack} bytes")
+    print(f"moe_mxfp4 kernel, {cfg}, {num_warps} warps: {regs} registers, stack {stack} bytes")
     assert stack == 0 and regs <= 255
 
 
 @requires_cuda
-@pytest.mark.parametrize("T", [1, 16, 64, 512])
+@pytest.mark.parametrize("T", [1, 16, 64, 512, 4096])
 def test_cuda_real_sizes(T):
     _kernel_vs_ref(T, 5120, 2304, 32, 6, "cuda", torch.bfloat16, limit=10.0)
 

@@ -17,12 +17,14 @@ Kernel design: the (token, slot) pairs are sorted by expert and padded to BLOCK_
 (:func:`align_by_expert`, sync-free, a static size so a decode step can be captured); a program owns one
 such block and BLOCK_N output columns and walks K in BLOCK_K steps: it gathers its rows of A, loads the
 packed bytes and scales of its expert's BLOCK_N rows once, decodes the low and high nibbles (even and odd
-inputs) and multiplies them against A's even and odd columns (two dots, no interleave).  The first GEMM
+inputs) and multiplies them against A's even and odd columns (two dots, no interleave).  Blocks are 16 rows at decode and 64 once the pairs per expert reach 32
+(prefill).  The first GEMM
 writes [T*k, 2I] rows in (token, slot) order, the clamped SwiGLU runs in torch, the second GEMM scales its
 rows by the routing weights, and the k rows of a token are summed.  Checked without a GPU
 (``test_kernel_builds_for_sm90_without_spills``): the kernel builds for sm_90 with Triton's ptxas and keeps
-everything in registers at the launch configs used (128-input K steps with 8 warps: 175 registers under
-Triton 3.9; 64 with 4: 173; 128 with 4 warps would spill).
+everything in registers at every launch config :func:`launch_config` returns (under Triton 3.9: 16-row
+blocks, 128-input K steps, 8 warps: 175 registers; 64-row blocks, 64-input steps, 8 warps: 185; with 4
+warps either would spill).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from vllm_dsv41.reference.model import clamped_swiglu_act
 
 __all__ = ["moe_mxfp4", "moe_mxfp4_ref", "align_by_expert"]
 
-BLOCK_M = 16  # rows per expert block (the smallest tl.dot M)
+SMALL_BLOCK_M, LARGE_BLOCK_M = 16, 64  # rows per expert block: decode (the smallest tl.dot M) / prefill
+LARGE_FROM = 32  # (token, slot) pairs per expert from which the 64-row blocks are used
 
 
 def _check(x, w13, s13, w2, s2, idx, wts) -> tuple[int, int, int, int, int]:
@@ -165,36 +168,38 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _num_warps(block_k: int) -> int:
-    """Warps per program for a K step of ``block_k`` inputs (8 at 128: with 4 the decoded tile spills)."""
-    return 8 if block_k == 128 else 4
+def launch_config(block_m: int, K: int) -> dict:
+    """BLOCK_K and warps for blocks of ``block_m`` rows over K inputs (a multiple of 32: one scale per 32): the
+    widest K step that divides K, up to 128 inputs (64 bytes of each weight row per load) for 16-row blocks
+    and 64 for 64-row blocks; 8 warps where 4 would spill (checked for sm_90 by the op's tests)."""
+    block_k = next(b for b in (128, 64, 32) if b <= (128 if block_m == SMALL_BLOCK_M else 64) and K % b == 0)
+    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": block_k,
+            "num_warps": 8 if block_m == LARGE_BLOCK_M or block_k == 128 else 4}
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor,
-                  a_row_div: int, n_rows: int, wts: torch.Tensor | None, block_n: int = 64) -> torch.Tensor:
+                  block_m: int, a_row_div: int, n_rows: int, wts: torch.Tensor | None) -> torch.Tensor:
     """Rows ``ids`` (flat indices < n_rows) of A[flat // a_row_div] @ W[expert]^T, times ``wts[flat]`` if given."""
     E, N, K2 = w.shape
-    # K = 2 * K2 is a multiple of 32 (one scale per 32 inputs); the widest step that divides it, up to 128 inputs
-    # (64 bytes of each weight row per load)
-    block_k = next(b for b in (128, 64, 32) if (2 * K2) % b == 0)
+    cfg = launch_config(block_m, 2 * K2)
     c = torch.empty(n_rows, N, dtype=a.dtype, device=a.device)
     a = a.contiguous()
-    grid = (experts.numel(), -(-N // block_n))
+    grid = (experts.numel(), -(-N // cfg["BLOCK_N"]))
     _kernels()[grid](a, w, s, c, ids, experts, wts if wts is not None else c, N, 2 * K2, a_row_div, n_rows,
                      a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
-                     BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, MUL_W=wts is not None,
-                     BF16_DOT=not _interpreting(), num_warps=_num_warps(block_k))
+                     MUL_W=wts is not None, BF16_DOT=not _interpreting(), **cfg)
     return c
 
 
 def _moe_mxfp4_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
                       idx: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
     T, H, E, I, k = _check(x, w13, s13, w2, s2, idx, wts)
-    ids, experts = align_by_expert(idx, E, BLOCK_M)
+    block_m = LARGE_BLOCK_M if T * k >= LARGE_FROM * E else SMALL_BLOCK_M
+    ids, experts = align_by_expert(idx, E, block_m)
     w13, s13, w2, s2 = (t.contiguous().view(torch.uint8) for t in (w13, s13, w2, s2))
-    ab = _grouped_gemm(x, w13, s13, ids, experts, k, T * k, None)
+    ab = _grouped_gemm(x, w13, s13, ids, experts, block_m, k, T * k, None)
     h = clamped_swiglu_act(ab[:, :I].float(), ab[:, I:].float(), limit).to(x.dtype)
-    y = _grouped_gemm(h, w2, s2, ids, experts, 1, T * k, wts.reshape(-1).float().contiguous())
+    y = _grouped_gemm(h, w2, s2, ids, experts, block_m, 1, T * k, wts.reshape(-1).float().contiguous())
     return y.view(T, k, H).sum(1)
 
 
