@@ -48,3 +48,38 @@ def run_under_interpreter(args: list[str], timeout: int = 300):
     print(r.stdout)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     return r
+
+
+#: Shared memory one block may use on an H100/H200 (227 KB): what Triton's OutOfResources compares against.
+SM90_SHARED_LIMIT = 232448
+
+
+def sm90_build(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
+    """Compile a ``triton.jit`` kernel for sm_90 with Triton's own ptxas (no GPU needed) and return its
+    ``regs``, ``stack`` (spilled bytes per thread) and ``shared`` (bytes per block); skip the calling test where
+    this Triton cannot (no Triton, no cuobjdump in its wheel)."""
+    import importlib.util
+    import pathlib
+    import re
+    import subprocess
+    import tempfile
+
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("this Triton wheel has no cuobjdump")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
+    regs, stack = (int(re.search(rf"{key}:(\d+)", line).group(1)) for key in ("REG", "STACK"))
+    return {"regs": regs, "stack": stack, "shared": int(compiled.metadata.shared)}

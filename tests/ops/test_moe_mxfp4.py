@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
+from tests.ops.conftest import SM90_SHARED_LIMIT, assert_close, requires_cuda, run_under_interpreter, sm90_build
 from vllm_dsv41 import formats
 
 
@@ -122,39 +122,17 @@ def test_triton_interpreter():
 def test_kernel_builds_for_sm90_without_spills(block_m, K):
     """The launch configs ``_grouped_gemm`` uses compile for Hopper (Triton's own ptxas, no GPU needed) and keep
     every value in registers: a spill would be local-memory traffic inside the weight stream."""
-    import importlib.util
-    import pathlib
-    import re
-    import subprocess
-    import tempfile
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from vllm_dsv41.ops import moe_mxfp4 as m
 
-    tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip("this Triton wheel has no cuobjdump")
     sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "c_ptr": "*bf16", "ids_ptr": "*i32", "experts_ptr": "*i32",
            "wts_ptr": "*fp32", **{n: "i32" for n in ("N", "K", "a_row_div", "n_valid", "stride_am", "stride_we",
                                                      "stride_wn", "stride_se", "stride_sn", "stride_cm")},
            **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "MUL_W", "BF16_DOT")}}
     cfg = m.launch_config(block_m, K)
     num_warps = cfg.pop("num_warps")
-    src = ASTSource(fn=m._kernels(), signature=sig, constexprs={**cfg, "MUL_W": True, "BF16_DOT": True})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    line = next(ln for ln in usage.splitlines() if "REG:" in ln)
-    regs, stack = (int(re.search(rf"{key}:(\d+)", line).group(1)) for key in ("REG", "STACK"))
-    print(f"moe_mxfp4 kernel, {cfg}, {num_warps} warps: {regs} registers, stack {stack} bytes")
-    assert stack == 0 and regs <= 255
+    got = sm90_build(m._kernels(), sig, {**cfg, "MUL_W": True, "BF16_DOT": True}, num_warps)
+    print(f"moe_mxfp4 kernel, {cfg}, {num_warps} warps: {got}")
+    assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
 
 
 @requires_cuda

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from tests.ops.conftest import assert_close, requires_cuda, run_under_interpreter
+from tests.ops.conftest import SM90_SHARED_LIMIT, assert_close, requires_cuda, run_under_interpreter, sm90_build
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import sparse_attn as sa
 from vllm_dsv41.reference.model import apply_rope, sparse_attention
@@ -403,3 +403,43 @@ def test_launch_fitting_steps_down_and_remembers(caplog):
 
     with pytest.raises(RuntimeError, match="sparse_attn: no launch config fits"):
         _triton.launch_fitting("sparse_attn", never, configs, ("test", "never"))
+
+
+def _sm90_sparse_attn(dtype: torch.dtype, cfg: dict) -> dict:
+    """``_sparse_attn_kernel`` at the production shape (D 512, R 64, both key sources, aligned records) built for
+    sm_90 with ``cfg`` = {BLOCK_H, BLOCK_N, num_warps, num_stages}."""
+    from vllm_dsv41.ops import sparse_attn as sa
+
+    qt = "*bf16" if dtype == torch.bfloat16 else "*fp32"
+    ptrs = {"q_ptr": qt, "swa8_ptr": "*u8", "swa16_ptr": "*i16", "swa_slot_ptr": "*i64", "comp8_ptr": "*u8",
+            "comp_slot_ptr": "*i64", "sink_ptr": "*fp32", "pos_ptr": "*i64", "inv_freq_ptr": "*fp32", "out_ptr": qt,
+            "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "qk_scale": "fp32"}
+    consts = {"D": 512, "R": 64, "BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "HAS_COMP": True, "HW_FP8": True,
+              "DOT_PREC": "tf32" if dtype == torch.bfloat16 else "ieee", "P_BF16": dtype == torch.bfloat16,
+              "DOT_F32": dtype == torch.float32, "SWA_ALIGNED": True, "COMP_ALIGNED": True,
+              "PAIR_IO": dtype == torch.bfloat16}
+    kernel = sa._sparse_attn_kernel
+    sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
+    return sm90_build(kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
+
+
+@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_default_config_fits_sm90_shared_memory(T, dtype):
+    """Without a GPU: the pinned launch config (bf16 queries, the fast path) fits an H200's shared memory as it is;
+    with fp32 queries one of the step-downs ``launch_fitting`` tries does (the first run on an H200 failed every
+    request with fp32 queries on the 64-head tile: 313,088 bytes needed, 232,448 available)."""
+    from vllm_dsv41.ops import sparse_attn as sa
+
+    tried = []
+    for cfg in sa.smaller_configs(sa.default_config(T, 64)):
+        got = _sm90_sparse_attn(dtype, cfg)
+        tried.append((cfg, got))
+        if got["shared"] <= SM90_SHARED_LIMIT:
+            break
+    for cfg, got in tried:
+        print(f"sparse_attn {dtype} T={T} {cfg}: {got}")
+    fits = [cfg for cfg, got in tried if got["shared"] <= SM90_SHARED_LIMIT]
+    assert fits, "no config of the step-down list fits"
+    if dtype == torch.bfloat16:
+        assert len(tried) == 1, "the pinned bf16 config itself must fit"
