@@ -27,8 +27,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-os.environ.update(VLLM_DSV41_OPS="1", VLLM_DSV41_CUDAGRAPH="static", VLLM_DSV41_EXACT="1",
-                  VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
 
 # ops that make no kernel: views, allocations, metadata
 NO_KERNEL = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
@@ -45,6 +43,8 @@ def main() -> int:
                     "bench layout at small widths)")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
+    os.environ.update(VLLM_DSV41_OPS="1", VLLM_DSV41_CUDAGRAPH="static", VLLM_DSV41_EXACT="1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
 
     import pytest
     import torch

@@ -20,10 +20,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(VLLM_DSV41_OPS="1", VLLM_DSV41_CUDAGRAPH="static", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                   VLLM_CPU_KVCACHE_SPACE="1")
 
-# ops that make no kernel (views, allocations), as in count_decode_ops.py (not imported: it sets exact mode)
-NO_KERNEL = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "transpose", "expand", "unsqueeze",
-             "squeeze", "reshape", "alias", "detach", "permute", "diagonal", "split", "narrow", "empty",
-             "empty_strided", "new_empty", "empty_like", "lift_fresh", "unflatten"}
+from scripts.count_decode_ops import NO_KERNEL  # noqa: E402
 
 
 def main() -> int:

@@ -127,7 +127,7 @@ def test_bf16_dense_gemm_backend(groups, monkeypatch):
     in the fast GEMM dtype and frees the FP8 bytes; the layer's output is the product with that weight (here
     in bf16 on CPU, the device seam patched), in the input's dtype."""
     monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
-    monkeypatch.setattr(linear, "on_marlin_device", lambda t: True)
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
     g = torch.Generator().manual_seed(3)
     lin, ref = _fp8_layer(groups, g)
     w16 = ref.to(torch.bfloat16)

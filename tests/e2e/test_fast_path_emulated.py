@@ -84,7 +84,7 @@ def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
     monkeypatch.setattr(moe, "fused_marlin_moe", _fused_marlin_moe)
     monkeypatch.setattr(act, "silu_and_mul_with_clamp", _silu_and_mul_with_clamp)
     for mod in (linear, model):
-        monkeypatch.setattr(mod, "on_marlin_device", lambda t: True)
+        monkeypatch.setattr(mod, "on_fast_device", lambda t: True)
     monkeypatch.setattr(linear.WeightFormat, "choose", staticmethod(lambda exact: linear.WeightFormat(True, dtype, True)))
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
 

@@ -96,7 +96,7 @@ class WeightFormat:
 FAST_GEMM_DTYPE = torch.bfloat16
 
 
-def on_marlin_device(t: torch.Tensor) -> bool:
+def on_fast_device(t: torch.Tensor) -> bool:
     """Whether a quantised weight on ``t``'s device is prepared for the fast GEMMs (CUDA; a CPU test
     emulates it by patching this and vLLM's Marlin entry points)."""
     return t.device.type == "cuda"
@@ -217,7 +217,7 @@ class QuantLinear(nn.Module):
 
     def finalize(self) -> None:
         """After loading, when the weight lives on CUDA: dequantise it to ``w16`` or repack it for Marlin."""
-        if not self.quant or getattr(self, "retired", False) or not on_marlin_device(self.weight):
+        if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         if dense_gemm_backend() == "bf16":
             self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
@@ -286,7 +286,7 @@ def concat_rows(*parts: QuantLinear) -> QuantLinear:
 def fuse_rows_on_cuda(*parts: QuantLinear) -> QuantLinear | None:
     """On the fast CUDA path (quantised parts on CUDA, whole 32-row tiles, before their own finalize): the
     parts as one repacked :func:`concat_rows` layer, the parts retired; otherwise None (parts unchanged)."""
-    if not all(p.quant and not getattr(p, "retired", False) and on_marlin_device(p.weight)
+    if not all(p.quant and not getattr(p, "retired", False) and on_fast_device(p.weight)
                and p.groups == 1 and p.out_features % 32 == 0 for p in parts):
         return None
     fused = concat_rows(*parts)

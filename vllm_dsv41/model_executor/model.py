@@ -40,7 +40,7 @@ from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fuse_rows_on_cuda,
                                               fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
-                                              masked_moe, moe_backend, mxfp4_expert_stack, on_marlin_device)
+                                              masked_moe, moe_backend, mxfp4_expert_stack, on_fast_device)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -472,7 +472,7 @@ class MoE(nn.Module):
 
     def finalize(self) -> None:
         """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, or ours)."""
-        if self.experts[0].quant and on_marlin_device(self.gate.weight):
+        if self.experts[0].quant and on_fast_device(self.gate.weight):
             if moe_backend() == "triton":
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
             else:
@@ -484,12 +484,12 @@ class MoE(nn.Module):
             idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
         else:
             idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
-        if self.marlin is not None:  # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
+        if self.marlin is not None or self.mxfp4 is not None:
+            # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
             xb = x.to(self.act_dtype)
-            return marlin_moe(xb, self.marlin, idx, wts, self.limit) + self.shared_experts(xb)
-        if self.mxfp4 is not None:
-            xb = x.to(self.act_dtype)
-            return _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit) + self.shared_experts(xb)
+            routed = (marlin_moe(xb, self.marlin, idx, wts, self.limit) if self.marlin is not None
+                      else _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit))
+            return routed + self.shared_experts(xb)
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)
 

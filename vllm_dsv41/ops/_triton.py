@@ -4,13 +4,14 @@
 the function undecorated and ``tl.constexpr`` is a plain value, so a module defines its kernels either way
 and registers its Triton path only when ``HAS_TRITON``.
 
-Also :func:`launch_fitting`: a launch config that does not fit the GPU (shared memory, registers) steps
+Also :func:`interpreting` (Triton's interpreter is on) and :func:`launch_fitting`: a launch config that does not fit the GPU (shared memory, registers) steps
 down to the next smaller one instead of failing the request.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Iterable
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,12 @@ except ImportError:  # CPU-only wheels
     HAS_TRITON = False
 else:
     HAS_TRITON = True
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``, read as Triton reads it): there
+    ``tl.dot`` takes no bf16 operands, so the kernels multiply in fp32."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
 
 
 _FITTED: dict[tuple, dict] = {}  # (kernel, wanted config, constexpr flags) -> the config that fits
@@ -70,4 +77,4 @@ def launch_fitting(name: str, launch: Callable[[dict], None], configs: Iterable[
     raise RuntimeError(f"{name}: no launch config fits this GPU (tried {configs}): {error}") from error
 
 
-__all__ = ["triton", "tl", "HAS_TRITON", "launch_fitting"]
+__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "launch_fitting"]

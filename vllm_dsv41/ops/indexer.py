@@ -41,6 +41,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import interpreting
 from vllm_dsv41.reference.model import index_scores as _reference_index_scores
 
 __all__ = ["index_scores", "index_scores_ref"]
@@ -242,10 +243,6 @@ def _kernels():
     return module["_index_scores_kernel"]
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -267,7 +264,7 @@ def _index_scores_triton(q: torch.Tensor, w: torch.Tensor, idx_cache: torch.Tens
     out = torch.empty((T, n_max), dtype=torch.float32, device=q.device)
     if T == 0 or n_max == 0:
         return out
-    interp = _interpreting()
+    interp = interpreting()
     if decode is None:
         decode = os.environ.get(DECODE_ENV) or (
             "asm" if not interp and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 9) else "portable")

@@ -58,12 +58,12 @@ Kernel design (CUDA, Triton):
 from __future__ import annotations
 
 import functools
-import os
 from types import SimpleNamespace
 
 import torch
 
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import interpreting
 from vllm_dsv41.reference.model import sinkhorn
 
 # Bound to ``triton.language`` by ``_triton()`` on first CUDA use, so this module imports without Triton.
@@ -346,10 +346,6 @@ def _kernels() -> SimpleNamespace:
 # --------------------------------------------------------------------------- launch wrappers
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-
-
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
@@ -425,7 +421,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         T, H, hs,
         *stream.stride(), *src_strides, *fn.stride(), *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
-        FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not _interpreting(),
+        FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

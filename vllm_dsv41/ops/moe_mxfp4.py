@@ -23,7 +23,7 @@ writes [T*k, 2I] rows in (token, slot) order, the clamped SwiGLU runs in torch, 
 rows by the routing weights, and the k rows of a token are summed.  Checked without a GPU
 (``test_kernel_builds_for_sm90_without_spills``): the kernel builds for sm_90 with Triton's ptxas and keeps
 everything in registers at every launch config :func:`launch_config` returns (under Triton 3.9: 16-row
-blocks, 128-input K steps, 8 warps: 175 registers; 64-row blocks, 64-input steps, 8 warps: 185; with 4
+blocks, 128-input K steps, 8 warps: 172 registers; 64-row blocks, 64-input steps, 8 warps: 183; with 4
 warps either would spill).
 """
 
@@ -35,6 +35,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import interpreting
 from vllm_dsv41.reference.model import clamped_swiglu_act
 
 __all__ = ["moe_mxfp4", "moe_mxfp4_ref", "align_by_expert"]
@@ -100,15 +101,6 @@ def align_by_expert(idx: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 tl = None  # triton.language, bound by _kernels()
 
 
-def _e2m1(c):
-    """int32 E2M1 codes 0..15 -> fp32 values (sign bit 3, exponent bits 2..1, mantissa bit 0)."""
-    mag = c & 7
-    e = mag >> 1
-    m = (mag & 1).to(tl.float32)
-    v = tl.where(e == 0, m * 0.5, (1.0 + m * 0.5) * tl.exp2((e - 1).to(tl.float32)))
-    return tl.where((c & 8) != 0, -v, v)
-
-
 def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, experts_ptr, wts_ptr,
                      N, K, a_row_div, n_valid,
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
@@ -135,9 +127,10 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, experts_ptr, wts_ptr,
             a_o = tl.load(a_rows + (k0 + 2 * half + 1)[None, :], mask=valid[:, None], other=0.0)
             b = tl.load(w_rows + (k0 // 2 + half)[None, :], mask=mask_n[:, None], other=0).to(tl.int32) & 255
             sc = tl.load(s_rows + (k0 // 32 + tl.arange(0, G))[None, :], mask=mask_n[:, None], other=127)
-            scale = tl.exp2((sc.to(tl.int32) - 127).to(tl.float32))  # [BLOCK_N, G]
-            w_e = tl.reshape(tl.reshape(_e2m1(b & 15), (BLOCK_N, G, 16)) * scale[:, :, None], (BLOCK_N, HALF))
-            w_o = tl.reshape(tl.reshape(_e2m1(b >> 4), (BLOCK_N, G, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+            # 2^(s - 127) / 2: the decoder returns every E2M1 value doubled (exact small integers)
+            scale = tl.exp2((sc.to(tl.int32) - 128).to(tl.float32))  # [BLOCK_N, G]
+            w_e = tl.reshape(tl.reshape(_e2m1_twice(b & 15), (BLOCK_N, G, 16)) * scale[:, :, None], (BLOCK_N, HALF))
+            w_o = tl.reshape(tl.reshape(_e2m1_twice(b >> 4), (BLOCK_N, G, 16)) * scale[:, :, None], (BLOCK_N, HALF))
             if BF16_DOT:
                 acc = tl.dot(a_e.to(tl.bfloat16), tl.trans(w_e.to(tl.bfloat16)), acc)
                 acc = tl.dot(a_o.to(tl.bfloat16), tl.trans(w_o.to(tl.bfloat16)), acc)
@@ -155,17 +148,13 @@ def _kernels():
     import triton
     import triton.language
 
+    from vllm_dsv41.ops import sparse_attn  # its E2M1 decoder (the NVFP4 keys' codes are the same)
+
     module = globals()
     module["tl"] = triton.language
-    module["_e2m1"] = triton.jit(_e2m1)
+    module["_e2m1_twice"] = sparse_attn._e2m1_twice
     module["_moe_gemm_kernel"] = triton.jit(_moe_gemm_kernel)
     return module["_moe_gemm_kernel"]
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def launch_config(block_m: int, K: int) -> dict:
@@ -187,7 +176,7 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.
     grid = (experts.numel(), -(-N // cfg["BLOCK_N"]))
     _kernels()[grid](a, w, s, c, ids, experts, wts if wts is not None else c, N, 2 * K2, a_row_div, n_rows,
                      a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
-                     MUL_W=wts is not None, BF16_DOT=not _interpreting(), **cfg)
+                     MUL_W=wts is not None, BF16_DOT=not interpreting(), **cfg)
     return c
 
 

@@ -46,14 +46,13 @@ near-ties of s + bias; exact ties always resolve to the lower expert id.  The te
 dot products are exact in fp32, inputs with duplicated experts, and random inputs.
 """
 
-import os
 
 import torch
 import torch.nn.functional as F
 
 from vllm_dsv41.ops import define_op
 
-from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, tl, triton
+from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, interpreting, tl, triton
 from vllm_dsv41.reference.model import top_indices as _top_indices
 
 
@@ -249,7 +248,7 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
     if T == 0:
         return ids, wts
 
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpret = interpreting()
     # fp32 operands take the exact IEEE path; the interpreter cannot multiply bf16 tiles either
     upcast = interpret or x.dtype == torch.float32 or gate_weight.dtype == torch.float32
     cfg = _router_config(T, E, H, _sm_count(x.device), upcast)
