@@ -149,3 +149,61 @@ def test_dense_gemm_backend_env(monkeypatch):
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, "fp8")
     with pytest.raises(ValueError, match="VLLM_DSV41_DENSE_GEMM='fp8'"):
         dense_gemm_backend()
+
+
+def test_moe_bf16_from_env(monkeypatch):
+    monkeypatch.delenv(linear.MOE_BF16_FROM_ENV, raising=False)
+    assert linear.moe_bf16_from() == 2048
+    monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "0")
+    assert linear.moe_bf16_from() == 0
+    for bad in ("-1", "many"):
+        monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, bad)
+        with pytest.raises(ValueError, match=f"VLLM_DSV41_MOE_BF16_FROM='{bad}'"):
+            linear.moe_bf16_from()
+
+
+def test_moe_takes_the_bf16_path_from_the_threshold(monkeypatch):
+    """On the fast device (seam patched) a forward of at least ``VLLM_DSV41_MOE_BF16_FROM`` tokens runs the routed
+    experts through ``bf16_moe`` (here recorded, computing the MXFP4 reference), smaller ones through the decode
+    kernel (``moe_mxfp4`` with ``VLLM_DSV41_MOE=triton``; its CPU op is the reference); both give the expert loop."""
+    from vllm_dsv41.model_executor import model as m
+    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
+    from tests.ops.test_moe_mxfp4 import make_case
+
+    monkeypatch.setattr(m, "on_fast_device", lambda t: True)
+    monkeypatch.setenv(linear.MOE_ENV, "triton")
+    monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "8")
+    calls = []
+
+    def fake_bf16_moe(x, stack, idx, wts, limit):
+        calls.append(x.shape[0])
+        return moe_mxfp4_ref(x, *stack, idx, wts, limit)
+
+    monkeypatch.setattr(m, "bf16_moe", fake_bf16_moe)
+    H, I, E, k = 64, 64, 4, 2
+    moe = m.MoE.__new__(m.MoE)
+    torch.nn.Module.__init__(moe)
+    moe.k, moe.scale, moe.limit, moe.act_dtype = k, 1.0, 2.0, torch.float32
+    moe.gate = m.Gate(E, H)
+    moe.gate.weight.data.normal_()
+    moe.experts = torch.nn.ModuleList(linear.Expert(H, I, quant=True) for _ in range(E))
+    _, w13, s13, w2, s2, _, _ = make_case(1, H, I, E, k)
+    for e, ex in enumerate(moe.experts):
+        ex.w1.weight.data.copy_(w13[e, :I].view(torch.int8))
+        ex.w3.weight.data.copy_(w13[e, I:].view(torch.int8))
+        ex.w1.scale.data.copy_(s13[e, :I])
+        ex.w3.scale.data.copy_(s13[e, I:])
+        ex.w2.weight.data.copy_(w2[e].view(torch.int8))
+        ex.w2.scale.data.copy_(s2[e])
+    experts = moe.experts
+    moe.shared_experts = lambda x: torch.zeros_like(x)
+    moe.marlin, moe.mxfp4 = None, None
+    moe.finalize()
+    assert moe.bf16_from == 8 and moe.mxfp4 is not None and not hasattr(moe, "experts")
+    for T in (3, 8, 20):
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
+        idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, k, 1.0)
+        want = linear.loop_moe(x, experts, idx, wts, 2.0)
+        got = moe(x)
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert calls == [8, 20]

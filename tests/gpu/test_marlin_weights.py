@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from vllm_dsv41 import formats
-from vllm_dsv41.model_executor.linear import (DENSE_GEMM_ENV, Expert, QuantLinear, loop_moe, marlin_expert_stack,
-                                              marlin_moe)
+from vllm_dsv41.model_executor.linear import (DENSE_GEMM_ENV, Expert, QuantLinear, bf16_moe, loop_moe,
+                                              marlin_expert_stack, marlin_moe, mxfp4_expert_stack)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -67,6 +67,34 @@ def test_grouped_wo_a(T, dense_gemm):
     err = _rel(got, ref)
     print(f"{dense_gemm} grouped wo_a T={T}: rel err {err:.2e}")
     assert got.shape == (T, G, O) and err < REL_TOL
+
+
+def _random_experts(E: int, H: int, I: int) -> nn.ModuleList:
+    experts = nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for ex in experts:
+        for name, (r, c) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            q, s = formats.quant_mxfp4(torch.randn(r, c, device="cuda", generator=g) * 0.05)
+            getattr(ex, name).weight.data.copy_(q.view(torch.int8))
+            getattr(ex, name).scale.data.copy_(formats.as_uint8(s))
+    return experts
+
+
+@pytest.mark.parametrize("T", [1, 300, 4096])
+def test_bf16_moe(T):
+    """The prefill MoE path (MXFP4 decoded to bf16, vLLM's Triton fused-MoE GEMMs) against the expert loop, with
+    inputs large enough that the clamp bites."""
+    E, H, I, k, limit = 32, 5120, 2304, 6, 10.0
+    experts = _random_experts(E, H, I)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(T, H, device="cuda", generator=g) * 2
+    idx = torch.rand(T, E, device="cuda", generator=g).argsort(1)[:, :k]
+    wts = torch.rand(T, k, device="cuda", generator=g)
+    ref = loop_moe(x.to(torch.bfloat16).float(), experts, idx, wts, limit)
+    got = bf16_moe(x, mxfp4_expert_stack(experts), idx, wts, limit)
+    err = _rel(got, ref)
+    print(f"bf16 moe (prefill path) T={T}: rel err {err:.2e}")
+    assert got.dtype == x.dtype and err < REL_TOL
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 512])

@@ -141,6 +141,8 @@ INTERPRET_CASES = {
     "post-T17-H64-fp32-bt4-strided": ("post", 17, 4, 64, "float32", {"block_t": 4, "block_h": 32}, True),
     "post_pre-T3-H96-bf16": ("post_pre", 3, 4, 96, "bfloat16", None, False),
     "post_pre-T17-H64-fp32-bt16-split1": ("post_pre", 17, 4, 64, "float32", {"block_t": 16, "split": 1}, True),
+    # 40 splits: three rounds of the epilogue's EPILOGUE_SPLITS-wide reads, the last one partly masked
+    "pre-T9-H640-fp32-split40": ("pre", 9, 4, 640, "float32", {"block_h": 16, "split": 40}, False),
 }
 
 # Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even; the

@@ -39,6 +39,7 @@ from vllm_dsv41.checkpoint import E8M0, FP8, I8
 WEIGHTS_ENV = "VLLM_DSV41_WEIGHTS"
 DENSE_GEMM_ENV = "VLLM_DSV41_DENSE_GEMM"
 MOE_ENV = "VLLM_DSV41_MOE"
+MOE_BF16_FROM_ENV = "VLLM_DSV41_MOE_BF16_FROM"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -69,6 +70,21 @@ def moe_backend() -> str:
     if v not in ("marlin", "triton"):
         raise ValueError(f"{MOE_ENV}={v!r}: expected marlin or triton")
     return v
+
+
+def moe_bf16_from() -> int:
+    """``VLLM_DSV41_MOE_BF16_FROM``: forward passes of at least this many tokens (prefill) run the routed experts
+    as bf16 (:func:`bf16_moe`: the layer's MXFP4 experts decoded into a scratch buffer, vLLM's Triton fused-MoE
+    GEMMs) instead of Marlin; 0 turns that off.  Default 2048: Marlin's W4A16 kernel costs ~0.4 µs per token
+    and layer at prefill, the decode ~0.7 ms per layer (bench width, H200; docs/benchmarks.md)."""
+    v = os.environ.get(MOE_BF16_FROM_ENV, "2048").strip() or "2048"
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{MOE_BF16_FROM_ENV}={v!r}: expected a token count >= 0 (0: never)")
+    return n
 
 
 @dataclass(frozen=True)
@@ -354,6 +370,61 @@ def marlin_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tens
                          quant_type_id=scalar_types.float4_e2m1f.id, activation=MoEActivation.SILU,
                          activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
     return y.to(x.dtype)
+
+
+_BF16_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _bf16_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pair of bf16 expert buffers per shape and device, shared by every layer (they run one at a time)."""
+    E, N, K2 = w13.shape
+    H, I2 = w2.shape[1:]
+    key = (E, N, K2, H, I2, w13.device)
+    if key not in _BF16_SCRATCH:
+        _BF16_SCRATCH[key] = (torch.empty(E, N, 2 * K2, dtype=torch.bfloat16, device=w13.device),
+                              torch.empty(E, H, 2 * I2, dtype=torch.bfloat16, device=w13.device))
+    return _BF16_SCRATCH[key]
+
+
+def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,
+             limit: float) -> torch.Tensor:
+    """Routed experts for a large batch (prefill): the MXFP4 stack (:func:`mxfp4_expert_stack`) decoded to bf16
+    (``dsv41::dequant_mxfp4``), then vLLM's Triton fused-MoE GEMMs with the clamped SwiGLU between them.
+    x [T, H], idx [T, k], wts [T, k] -> [T, H] (x's dtype)."""
+    import triton.language as tl
+    from vllm import _custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.activation import (ApplyMoEActivationConfig, MoEActivation,
+                                                                apply_moe_activation)
+    from vllm.model_executor.layers.fused_moe.fused_moe import dispatch_fused_moe_kernel, try_get_optimal_moe_config
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    from vllm_dsv41.ops import dequant_mxfp4  # noqa: F401
+
+    w13q, s13, w2q, s2 = stack
+    w13, w2 = _bf16_scratch(w13q, w2q)
+    torch.ops.dsv41.dequant_mxfp4(w13q, s13, w13)
+    torch.ops.dsv41.dequant_mxfp4(w2q, s2, w2)
+    a = x.to(torch.bfloat16).contiguous()
+    T, k = idx.shape
+    E, N, _ = w13.shape
+    H = w2.shape[1]
+    idx = idx.to(torch.int32).contiguous()
+    wts = wts.float().contiguous()
+    config = try_get_optimal_moe_config(tuple(w13.shape), tuple(w2.shape), k, None, T)
+    sorted_ids, expert_ids, n_padded = moe_align_block_size(idx, config["BLOCK_SIZE_M"], E)
+    gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=n_padded,
+                config=config, compute_type=tl.bfloat16, use_fp8_w8a8=False, use_int8_w8a8=False,
+                use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False)
+    h = torch.empty(T, k, N, dtype=torch.bfloat16, device=x.device)
+    dispatch_fused_moe_kernel(a, w13, h, None, None, None, wts, mul_routed_weight=False, top_k=k, **gemm)
+    act = torch.empty(T * k, N // 2, dtype=torch.bfloat16, device=x.device)
+    apply_moe_activation(MoEActivation.SILU, act, h.view(-1, N),
+                         activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
+    y = torch.empty(T, k, H, dtype=torch.bfloat16, device=x.device)
+    dispatch_fused_moe_kernel(act, w2, y, None, None, None, wts, mul_routed_weight=True, top_k=1, **gemm)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=x.device)
+    vops.moe_sum(y, out)
+    return out.to(x.dtype)
 
 
 def _expert_out(x: torch.Tensor, ex: "Expert", limit: float) -> torch.Tensor:

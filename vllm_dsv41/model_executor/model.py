@@ -38,9 +38,10 @@ from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
-from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, fuse_rows_on_cuda,
+from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fuse_rows_on_cuda,
                                               fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
-                                              masked_moe, moe_backend, mxfp4_expert_stack, on_fast_device)
+                                              masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
+                                              on_fast_device)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -467,15 +468,17 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(Expert(H, I, wf.quant) for _ in range(plan.n_routed_experts))
         self.shared_experts = SharedExpert(H, I * cfg.n_shared_experts, wf.quant, self.limit)
         self.marlin: tuple[torch.Tensor, ...] | None = None  # stacked MXFP4 experts (quantised, CUDA)
-        self.mxfp4: tuple[torch.Tensor, ...] | None = None  # the same for dsv41::moe_mxfp4 (VLLM_DSV41_MOE=triton)
+        self.mxfp4: tuple[torch.Tensor, ...] | None = None  # the checkpoint's MXFP4 bytes stacked (moe_mxfp4, bf16_moe)
+        self.bf16_from = 0  # tokens from which a forward takes bf16_moe (0: never)
         self.act_dtype = wf.dense_dtype  # the experts' input dtype on the fast path
 
     def finalize(self) -> None:
         """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, or ours)."""
         if self.experts[0].quant and on_fast_device(self.gate.weight):
-            if moe_backend() == "triton":
+            self.bf16_from = moe_bf16_from()
+            if moe_backend() == "triton" or self.bf16_from:
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
-            else:
+            if moe_backend() == "marlin":
                 self.marlin = marlin_expert_stack(self.experts)
             del self.experts
 
@@ -487,8 +490,12 @@ class MoE(nn.Module):
         if self.marlin is not None or self.mxfp4 is not None:
             # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
             xb = x.to(self.act_dtype)
-            routed = (marlin_moe(xb, self.marlin, idx, wts, self.limit) if self.marlin is not None
-                      else _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit))
+            if self.bf16_from and x.shape[0] >= self.bf16_from and not in_static_step():
+                routed = bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
+            elif self.marlin is not None:
+                routed = marlin_moe(xb, self.marlin, idx, wts, self.limit)
+            else:
+                routed = _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit)
             return routed + self.shared_experts(xb)
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)

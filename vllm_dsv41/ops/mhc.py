@@ -35,7 +35,8 @@ Kernel design (CUDA, Triton):
   tiles are re-read per j, from L1: a [BLOCK_T, C, BLOCK_H] tile held in registers spills), stores it
   rounded to S's dtype and goes on with the rounded values, so the fused op equals the composition.
   ``_mhc_post_kernel`` does the same arithmetic in the same order, so both give bitwise equal streams.
-* ``_mhc_pre_epilogue_kernel`` (grid: token blocks x (H blocks + 1)) adds the partials over the splits.
+* ``_mhc_pre_epilogue_kernel`` (grid: token blocks x (H blocks + 1)) adds the partials over the splits,
+  ``EPILOGUE_SPLITS`` at a time (one wide load and a tree sum per round, not one dependent load per split).
   The last program column computes the sigmoids and the Sinkhorn for its tokens in registers
   ([BLOCK_T, C, C]); the others scale their slice of x by rsqrt(mean(h^2) + eps) * w in place.
 * Why two kernels: x needs mean(h^2) over all of H before any element can be written, while the
@@ -240,7 +241,7 @@ def _mhc_pre_epilogue_kernel(
     stride_pot, stride_poc,
     stride_ct, stride_ci, stride_cj,
     C: tl.constexpr, NMIX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -248,6 +249,7 @@ def _mhc_pre_epilogue_kernel(
     mask_t = offs_t < T
     offs_t = offs_t.to(tl.int64)
     row = part_ptr + offs_t * stride_pt                                                  # [BLOCK_T] pointers
+    offs_s = tl.arange(0, BLOCK_S)
 
     if pid_h == NHB:
         offs_c = tl.arange(0, C)
@@ -256,12 +258,17 @@ def _mhc_pre_epilogue_kernel(
         m_comb = tl.zeros([BLOCK_T, C, C], dtype=tl.float32)
         ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
         cols_comb = 2 * C + offs_c[None, :, None] * C + offs_c[None, None, :]           # [1, C, C]
-        for s in range(SPLIT):
-            r = row + s * stride_ps
-            m_pre += tl.load(r[:, None] + offs_c[None, :] * stride_pn, mask=mask_t[:, None], other=0.0)
-            m_post += tl.load(r[:, None] + (C + offs_c)[None, :] * stride_pn, mask=mask_t[:, None], other=0.0)
-            m_comb += tl.load(r[:, None, None] + cols_comb * stride_pn, mask=mask_t[:, None, None], other=0.0)
-            ssq += tl.load(r + NMIX * stride_pn, mask=mask_t, other=0.0)
+        for s0 in range(0, SPLIT, BLOCK_S):  # BLOCK_S splits per round: independent loads, one tree sum
+            ss = s0 + offs_s
+            r = row[None, :] + ss.to(tl.int64)[:, None] * stride_ps                          # [BLOCK_S, BLOCK_T]
+            m2 = (ss < SPLIT)[:, None] & mask_t[None, :]
+            m_pre += tl.sum(tl.load(r[:, :, None] + offs_c[None, None, :] * stride_pn, mask=m2[:, :, None],
+                                    other=0.0), axis=0)
+            m_post += tl.sum(tl.load(r[:, :, None] + (C + offs_c)[None, None, :] * stride_pn, mask=m2[:, :, None],
+                                     other=0.0), axis=0)
+            m_comb += tl.sum(tl.load(r[:, :, None, None] + cols_comb[None] * stride_pn, mask=m2[:, :, None, None],
+                                     other=0.0), axis=0)
+            ssq += tl.sum(tl.load(r + NMIX * stride_pn, mask=m2, other=0.0), axis=0)
         rv = tl.rsqrt(ssq * inv_ch + eps)
         scale_pre = tl.load(scale_ptr)
         scale_post = tl.load(scale_ptr + 1)
@@ -282,8 +289,11 @@ def _mhc_pre_epilogue_kernel(
                  + offs_c[None, None, :] * stride_cj, a, mask=mask_t[:, None, None])
     else:
         ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for s in range(SPLIT):
-            ssq += tl.load(row + s * stride_ps + (NMIX + 1) * stride_pn, mask=mask_t, other=0.0)
+        for s0 in range(0, SPLIT, BLOCK_S):
+            ss = s0 + offs_s
+            r = row[None, :] + ss.to(tl.int64)[:, None] * stride_ps
+            m2 = (ss < SPLIT)[:, None] & mask_t[None, :]
+            ssq += tl.sum(tl.load(r + (NMIX + 1) * stride_pn, mask=m2, other=0.0), axis=0)
         rx = tl.rsqrt(ssq * inv_h + eps)
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -387,6 +397,11 @@ def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int
     return T, C, H, nmix
 
 
+#: Partials the epilogue reads per round: at decode the split count is ~100, and one dependent load per split
+#: (the slow path, ``EPILOGUE_SPLITS = 1``) made the epilogue 13 µs per boundary at T=1 (graphs, H200).
+EPILOGUE_SPLITS = 16
+
+
 def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, post_inputs, config):
     """Shared by mhc_pre and mhc_post_pre; ``post_inputs`` = (y, post_prev, comb_prev) or None."""
     T, C, H, nmix = _check_pre_args(stream, fn, base, scale, pre_prev, norm_w)
@@ -432,7 +447,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         T, H, split, nhb,
         1.0 / (C * H), 1.0 / H, eps, hc_eps, iters,
         *part.stride(), *x.stride(), *pre.stride(), *post.stride(), *comb.stride(),
-        C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, num_warps=4,
+        C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
     )
     return new_stream, x, pre, post, comb
 

@@ -1,0 +1,88 @@
+"""``dsv41::dequant_mxfp4`` - MXFP4 weights (packed E2M1 + UE8M0 per 32) -> bf16, written into a given buffer.
+
+``dequant_mxfp4(w [..., R, C/2] uint8, s [..., R, C/32] uint8, out [..., R, C] bf16) -> ()``: ``out`` =
+``formats.dequant_mxfp4(w, s)`` (low nibble = even input), rounded to ``out``'s dtype.  Exact in bf16: an
+E2M1 value times a power of two is a 1-3 bit mantissa.
+
+Why an op: prefill runs the routed experts through a bf16 grouped GEMM (vLLM's Triton fused-MoE kernel) on
+one layer's experts decoded into a scratch buffer just before (``linear.bf16_moe``).  At 16k tokens that
+is ~20x less GPU time than Marlin's W4A16 kernel, which is built for small batches (docs/benchmarks.md);
+the decode costs one pass over the layer's weights (566 MB of FP4 -> 2.3 GB of bf16 at the bench width),
+which a long prefill amortises.  The torch reference materialises int64 indices per element (far too much
+memory at that size), hence a Triton kernel: one program per ``BLOCK_R`` rows x ``BLOCK_C`` packed bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_dsv41 import formats
+from vllm_dsv41.ops import define_op
+
+__all__ = ["dequant_mxfp4", "dequant_mxfp4_ref"]
+
+
+def _check(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    C2 = w.shape[-1]
+    want_s = (*w.shape[:-1], C2 // 16)
+    want_out = (*w.shape[:-1], 2 * C2)
+    if C2 % 16 or tuple(s.shape) != want_s:
+        raise ValueError(f"dequant_mxfp4: scales {tuple(s.shape)} do not match packed weight {tuple(w.shape)} "
+                         f"(expected {want_s}; rows of a multiple of 32 inputs)")
+    if tuple(out.shape) != want_out:
+        raise ValueError(f"dequant_mxfp4: out {tuple(out.shape)}, expected {want_out} for packed weight "
+                         f"{tuple(w.shape)}")
+    if not (w.is_contiguous() and s.is_contiguous() and out.is_contiguous()):
+        raise ValueError("dequant_mxfp4: w, s and out must be contiguous")
+    return w.numel() // C2, C2
+
+
+def dequant_mxfp4_ref(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+    _check(w, s, out)
+    out.copy_(formats.dequant_mxfp4(w.view(torch.uint8), s.view(torch.uint8)))
+
+
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, R, C2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows [BLOCK_R] x packed bytes [BLOCK_C] -> 2 * BLOCK_C outputs per row (even: low nibble, odd: high)."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C2)[None, :]
+    r64 = rows.to(tl.int64)[:, None]
+    b = tl.load(w_ptr + r64 * C2 + cols[None, :], mask=mask, other=0).to(tl.int32)
+    e = tl.load(s_ptr + r64 * (C2 // 16) + (cols // 16)[None, :], mask=mask, other=127).to(tl.float32)
+    half_scale = tl.exp2(e - 128.0)  # _e2m1_twice returns 2 * value
+    lo = _e2m1_twice(b & 15) * half_scale
+    hi = _e2m1_twice(b >> 4) * half_scale
+    o = out_ptr + r64 * (2 * C2) + 2 * cols[None, :]
+    tl.store(o, lo.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o + 1, hi.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language
+
+    from vllm_dsv41.ops import sparse_attn  # its E2M1 decoder
+
+    module = globals()
+    module["tl"] = triton.language
+    module["_e2m1_twice"] = sparse_attn._e2m1_twice
+    module["_dequant_kernel"] = triton.jit(_dequant_kernel)
+    return module["_dequant_kernel"]
+
+
+BLOCK_R, BLOCK_C = 16, 128
+
+
+def _dequant_mxfp4_triton(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+    R, C2 = _check(w, s, out)
+    grid = (-(-R // BLOCK_R), -(-C2 // BLOCK_C))
+    _kernels()[grid](w.view(torch.uint8), s.view(torch.uint8), out, R, C2, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
+                     num_warps=4)
+
+
+dequant_mxfp4 = define_op("dequant_mxfp4", "(Tensor w, Tensor s, Tensor(a!) out) -> ()",
+                          dequant_mxfp4_ref, _dequant_mxfp4_triton)
