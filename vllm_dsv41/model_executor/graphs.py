@@ -259,5 +259,5 @@ class DecodeGraphs:
                 self.failed = f"{type(e).__name__}: {e}"
                 self.entries.clear()
                 logger.warning("vllm-dsv41: decode CUDA-graph capture failed (%s); decode steps run eagerly",
-                               self.failed)
+                               self.failed, exc_info=True)
         return h[:n]
