@@ -228,6 +228,17 @@ def lookback_windows(token_cids: torch.Tensor, positions: torch.Tensor, max_ngra
     return torch.where(valid, got, torch.full_like(got, -1))
 
 
+def row_id_constants(
+    layout: EngramLayerLayout, multipliers: np.ndarray | torch.Tensor | Sequence[int], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(primes, offsets, multipliers) of one layer as int64 tensors on ``device``: made once per layer and device
+    by the model, because a host-to-device copy per step cannot run inside a captured CUDA graph."""
+    primes = torch.as_tensor(np.asarray(layout.primes), dtype=torch.long).to(device)
+    offsets = torch.as_tensor(np.asarray(layout.offsets), dtype=torch.long).to(device)
+    mult = torch.as_tensor(np.asarray(multipliers, dtype=np.int64), dtype=torch.long).to(device)
+    return primes, offsets, mult
+
+
 def engram_row_ids(
     cids: torch.Tensor,
     layout: EngramLayerLayout,
@@ -243,14 +254,17 @@ def engram_row_ids(
     for each head; columns are order-major, then head.
     """
     c = torch.as_tensor(cids, dtype=torch.long)
+    return row_ids_from(c, row_id_constants(layout, multipliers, c.device), pad_id)
+
+
+def row_ids_from(c: torch.Tensor, consts: tuple[torch.Tensor, torch.Tensor, torch.Tensor], pad_id: int) -> torch.Tensor:
+    """:func:`engram_row_ids` with the layer's :func:`row_id_constants` already on ``c``'s device."""
     if c.dim() != 2:
         raise ValueError(f"cids must be [T, max_ngram], got shape {tuple(c.shape)}")
+    primes, offsets, mult = consts
     m = c.shape[1]
-    primes = torch.as_tensor(np.asarray(layout.primes), dtype=torch.long, device=c.device)
-    offsets = torch.as_tensor(np.asarray(layout.offsets), dtype=torch.long, device=c.device)
     if primes.shape[0] != m - 1:
         raise ValueError(f"layout has {primes.shape[0]} orders but cids has {m} lookbacks")
-    mult = torch.as_tensor(np.asarray(multipliers, dtype=np.int64), dtype=torch.long, device=c.device)
     if mult.numel() < m:
         raise ValueError(f"need {m} multipliers, got {mult.numel()}")
     blocked = torch.cummax((c < 0).to(torch.int8), dim=1).values.bool()

@@ -606,6 +606,7 @@ class DeepseekV41Model(nn.Module):
             DecoderLayer(cfg, L, f"{prefix}layers.{L}", bounded_replay, wf) for L in range(cfg.n_layers))
         self.prune = bounded_replay and cfg.decoder_prunable
         self._engram = engram_math.engram_hashing_from_config(cfg) if cfg.engram_layer_ids else None
+        self._engram_consts: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}  # engram_rows'
 
     def set_token_map(self, cmap: torch.Tensor) -> None:
         self._cmap = cmap
@@ -626,7 +627,11 @@ class DeepseekV41Model(nn.Module):
             cids = torch.where(win >= 0, cmap[win.clamp(min=0)], torch.full_like(win, -1))
             if self._cmap_pad is None:
                 self._cmap_pad = int(self._cmap[h.pad_token_id])
-            return engram_math.engram_row_ids(cids, h.layout(layer_id), h.mult(layer_id), self._cmap_pad)
+            key = (layer_id, cids.device)
+            if key not in self._engram_consts:  # first (eager) step on this device, never inside a capture
+                self._engram_consts[key] = engram_math.row_id_constants(h.layout(layer_id), h.mult(layer_id),
+                                                                        cids.device)
+            return engram_math.row_ids_from(cids, self._engram_consts[key], self._cmap_pad)
 
         return step.once(("engram", layer_id), make)
 
