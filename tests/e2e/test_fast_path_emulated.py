@@ -102,8 +102,10 @@ def _layout(m, dtype: torch.dtype) -> dict:
         "q_dtype": {a.q_dtype for a in attn} == {dtype},
         "wqkv_a fused": all(a.wqkv_a is not None for a in attn),
         "wo_a all rows": all((a.wo_a.marlin_all is not None) == (a.wo_a.marlin is not None) for a in attn),
-        "experts stacked": all((f.marlin is not None) != (f.mxfp4 is not None) for f in ffn),
-        "moe": "triton" if all(f.mxfp4 is not None for f in ffn) else "marlin",
+        "experts stacked": all(f.marlin is not None or f.mxfp4 is not None for f in ffn),
+        "moe": "marlin" if all(f.marlin is not None for f in ffn) else "triton",
+        # the MXFP4 stack that prefills of VLLM_DSV41_MOE_BF16_FROM (default 2048) tokens decode to bf16
+        "prefill bf16 stack": all(f.mxfp4 is not None and f.bf16_from == 2048 for f in ffn),
         "shared w13": all(f.shared_experts.w13 is not None for f in ffn),
         "head": m.head.weight.dtype == dtype,
     }
@@ -111,7 +113,8 @@ def _layout(m, dtype: torch.dtype) -> dict:
 
 def fast_layout(gemm: str, moe: str = "marlin") -> dict:
     return {"cuda_fast": True, "dense gemm": gemm, "bf16 weights in dtype": True, "q_dtype": True, "wqkv_a fused": True,
-            "wo_a all rows": True, "experts stacked": True, "moe": moe, "shared w13": True, "head": True}
+            "wo_a all rows": True, "experts stacked": True, "moe": moe, "prefill bf16 stack": True, "shared w13": True,
+            "head": True}
 
 
 def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):

@@ -75,8 +75,9 @@ def moe_backend() -> str:
 def moe_bf16_from() -> int:
     """``VLLM_DSV41_MOE_BF16_FROM``: forward passes of at least this many tokens (prefill) run the routed experts
     as bf16 (:func:`bf16_moe`: the layer's MXFP4 experts decoded into a scratch buffer, vLLM's Triton fused-MoE
-    GEMMs) instead of Marlin; 0 turns that off.  Default 2048: Marlin's W4A16 kernel costs ~0.4 µs per token
-    and layer at prefill, the decode ~0.7 ms per layer (bench width, H200; docs/benchmarks.md)."""
+    GEMMs) instead of Marlin; 0 turns that off.  Default 2048: Marlin's W4A16 kernel took ~0.8 µs per token and
+    layer in a 16k-token prefill (H200 profile, docs/benchmarks.md), the decode moves 566 MB + 2.3 GB per layer
+    at the bench width (~0.6 ms at HBM rate, an estimate): break-even near 1k tokens, 2048 leaves margin."""
     v = os.environ.get(MOE_BF16_FROM_ENV, "2048").strip() or "2048"
     try:
         n = int(v)

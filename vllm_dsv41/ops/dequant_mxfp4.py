@@ -5,8 +5,8 @@
 E2M1 value times a power of two is a 1-3 bit mantissa.
 
 Why an op: prefill runs the routed experts through a bf16 grouped GEMM (vLLM's Triton fused-MoE kernel) on
-one layer's experts decoded into a scratch buffer just before (``linear.bf16_moe``).  At 16k tokens that
-is ~20x less GPU time than Marlin's W4A16 kernel, which is built for small batches (docs/benchmarks.md);
+one layer's experts decoded into a scratch buffer just before (``linear.bf16_moe``), because Marlin's W4A16
+kernel, built for small batches, was 43% of a 16k-token prefill's GPU time on the H200 (docs/benchmarks.md);
 the decode costs one pass over the layer's weights (566 MB of FP4 -> 2.3 GB of bf16 at the bench width),
 which a long prefill amortises.  The torch reference materialises int64 indices per element (far too much
 memory at that size), hence a Triton kernel: one program per ``BLOCK_R`` rows x ``BLOCK_C`` packed bytes.
