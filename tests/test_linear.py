@@ -168,7 +168,7 @@ def test_moe_takes_the_bf16_path_from_the_threshold(monkeypatch):
     kernel (``moe_mxfp4`` with ``VLLM_DSV41_MOE=triton``; its CPU op is the reference); both give the expert loop."""
     from vllm_dsv41.model_executor import model as m
     from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
-    from tests.ops.test_moe_mxfp4 import make_case
+    from tests.ops.test_moe_mxfp4 import experts_from_stack, make_case
 
     monkeypatch.setattr(m, "on_fast_device", lambda t: True)
     monkeypatch.setenv(linear.MOE_ENV, "triton")
@@ -186,16 +186,8 @@ def test_moe_takes_the_bf16_path_from_the_threshold(monkeypatch):
     moe.k, moe.scale, moe.limit, moe.act_dtype = k, 1.0, 2.0, torch.float32
     moe.gate = m.Gate(E, H)
     moe.gate.weight.data.normal_()
-    moe.experts = torch.nn.ModuleList(linear.Expert(H, I, quant=True) for _ in range(E))
     _, w13, s13, w2, s2, _, _ = make_case(1, H, I, E, k)
-    for e, ex in enumerate(moe.experts):
-        ex.w1.weight.data.copy_(w13[e, :I].view(torch.int8))
-        ex.w3.weight.data.copy_(w13[e, I:].view(torch.int8))
-        ex.w1.scale.data.copy_(s13[e, :I])
-        ex.w3.scale.data.copy_(s13[e, I:])
-        ex.w2.weight.data.copy_(w2[e].view(torch.int8))
-        ex.w2.scale.data.copy_(s2[e])
-    experts = moe.experts
+    experts = moe.experts = experts_from_stack(w13, s13, w2, s2)
     moe.shared_experts = lambda x: torch.zeros_like(x)
     moe.marlin, moe.mxfp4 = None, None
     moe.finalize()

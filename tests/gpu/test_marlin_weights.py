@@ -100,13 +100,8 @@ def test_bf16_moe(T):
 @pytest.mark.parametrize("T", [1, 7, 64, 512])
 def test_marlin_mxfp4_moe(T):
     E, H, I, k, limit = 32, 5120, 2304, 6, 10.0
-    experts = nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for ex in experts:
-        for name, (r, c) in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            q, s = formats.quant_mxfp4(torch.randn(r, c, device="cuda", generator=g) * 0.05)
-            getattr(ex, name).weight.data.copy_(q.view(torch.int8))
-            getattr(ex, name).scale.data.copy_(formats.as_uint8(s))
+    experts = _random_experts(E, H, I)
+    g = torch.Generator(device="cuda").manual_seed(2)
     x = torch.randn(T, H, device="cuda", generator=g) * 2
     idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(T)])
     wts = torch.rand(T, k, device="cuda")

@@ -26,6 +26,23 @@ def make_case(T: int, H: int, I: int, E: int, k: int, device: str = "cpu", seed:
     return x, w13.view(torch.uint8), formats.as_uint8(s13), w2.view(torch.uint8), formats.as_uint8(s2), idx, wts
 
 
+def experts_from_stack(w13, s13, w2, s2) -> nn.ModuleList:
+    """The model's quantised :class:`Expert` modules holding a stacked case's bytes (w13 = [w1; w3])."""
+    from vllm_dsv41.model_executor.linear import Expert
+
+    E, I2, H2 = w13.shape
+    I = I2 // 2
+    experts = nn.ModuleList(Expert(2 * H2, I, quant=True) for _ in range(E))
+    for e, ex in enumerate(experts):
+        ex.w1.weight.data.copy_(w13[e, :I].view(torch.int8))
+        ex.w3.weight.data.copy_(w13[e, I:].view(torch.int8))
+        ex.w1.scale.data.copy_(s13[e, :I])
+        ex.w3.scale.data.copy_(s13[e, I:])
+        ex.w2.weight.data.copy_(w2[e].view(torch.int8))
+        ex.w2.scale.data.copy_(s2[e])
+    return experts
+
+
 @pytest.mark.parametrize("T,k,E,block", [(1, 6, 32, 16), (5, 2, 4, 16), (64, 6, 32, 16), (3, 3, 8, 4)])
 def test_align_by_expert(T, k, E, block):
     from vllm_dsv41.ops.moe_mxfp4 import align_by_expert
@@ -69,19 +86,12 @@ def test_bad_shapes_name_the_tensor():
 def test_reference_is_the_models_expert_loop():
     """The op's maths is the model's routed-expert reference (``linear.loop_moe`` over the same MXFP4 experts),
     with a clamp limit that bites."""
-    from vllm_dsv41.model_executor.linear import Expert, loop_moe
+    from vllm_dsv41.model_executor.linear import loop_moe
     from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
 
     T, H, I, E, k, limit = 6, 64, 64, 4, 2, 0.5
     x, w13, s13, w2, s2, idx, wts = make_case(T, H, I, E, k)
-    experts = nn.ModuleList(Expert(H, I, quant=True) for _ in range(E))
-    for e, ex in enumerate(experts):
-        ex.w1.weight.data.copy_(w13[e, :I].view(torch.int8))
-        ex.w3.weight.data.copy_(w13[e, I:].view(torch.int8))
-        ex.w1.scale.data.copy_(s13[e, :I])
-        ex.w3.scale.data.copy_(s13[e, I:])
-        ex.w2.weight.data.copy_(w2[e].view(torch.int8))
-        ex.w2.scale.data.copy_(s2[e])
+    experts = experts_from_stack(w13, s13, w2, s2)
     want = loop_moe(x, experts, idx, wts, limit)
     got = moe_mxfp4_ref(x, w13, s13, w2, s2, idx, wts, limit)
     assert_close("moe_mxfp4_ref vs loop_moe", want, got, ratio=1e-6)
