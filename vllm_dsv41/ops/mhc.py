@@ -397,8 +397,9 @@ def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int
     return T, C, H, nmix
 
 
-#: Partials the epilogue reads per round: at decode the split count is ~100, and one dependent load per split
-#: (the slow path, ``EPILOGUE_SPLITS = 1``) made the epilogue 13 µs per boundary at T=1 (graphs, H200).
+#: Partials the epilogue reads per round.  At batch 1 the pre kernel splits H = 5120 into 160 slices, and reading
+#: them one after the other (``EPILOGUE_SPLITS = 1``, the previous kernel) is the likely reason the epilogue took
+#: 13 µs per boundary at T=1 in the H200 decode profile; the gain of 16 per round is not profiled yet.
 EPILOGUE_SPLITS = 16
 
 
