@@ -22,6 +22,7 @@ V1) the builder still works, with ``replay_start`` 0 and lookback ids -1.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -133,6 +134,19 @@ def ring_slots(ring_block_ids: torch.Tensor, positions: torch.Tensor, req_idx: t
     return torch.where(ring > 0, ring * capacity + positions % capacity, PAD_SLOT)
 
 
+def table_slots(kind: str, block_table: torch.Tensor, positions: torch.Tensor, req_idx: torch.Tensor,
+                replayed: Callable[[], torch.Tensor], tokens_per_state: int, rows_per_block: int,
+                block_size: int) -> torch.Tensor:
+    """[T] int64 slots of a compressed group (:func:`compressed_slots`; ``replayed()`` gives the replayed-token
+    mask, asked for only here) or a ring group (:func:`ring_slots`, the ring block is the table's first
+    column), computed from the group's block table."""
+    if kind == "compressed":
+        return compressed_slots(block_table, positions, req_idx, replayed(), tokens_per_state, rows_per_block)
+    if kind == "ring":
+        return ring_slots(block_table[:, 0], positions, req_idx, block_size)
+    raise ValueError(f"{kind} group: its slots are not computed from the table (the runner's slot mapping is needed)")
+
+
 @dataclass
 class DSV41GroupMetadata:
     """Addressing of one KV-cache group for the current step.
@@ -168,13 +182,9 @@ class DSV41GroupMetadata:
         if self.runner_slots is not None:
             return self.runner_slots.to(torch.int64)
         st, dev = self.step, self.block_table.device
-        pos, req = st.on("positions", dev, torch.int64), st.on("token_req_idx", dev, torch.int64)
-        if self.kind == "compressed":
-            return compressed_slots(self.block_table, pos, req, st.on("replayed", dev),
-                                    self.tokens_per_state, self.rows_per_block)
-        if self.kind == "ring":
-            return ring_slots(self.ring_block_ids, pos, req, self.block_size)
-        raise ValueError(f"{self.kind} group {self.layer_names[:1]}: no slot mapping given")
+        return table_slots(self.kind, self.block_table, st.on("positions", dev, torch.int64),
+                           st.on("token_req_idx", dev, torch.int64), lambda: st.on("replayed", dev),
+                           self.tokens_per_state, self.rows_per_block, self.block_size)
 
     @property
     def ring_block_ids(self) -> torch.Tensor | None:

@@ -29,8 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_dsv41.attention.backend import (DSV41GroupMetadata, DSV41StepMetadata, compressed_slots, replayed_mask,
-                                          ring_slots)
+from vllm_dsv41.attention.backend import DSV41GroupMetadata, DSV41StepMetadata, replayed_mask, table_slots
 from vllm_dsv41.model_executor.step import GroupView, Step
 
 logger = logging.getLogger(__name__)
@@ -143,11 +142,10 @@ class StaticGroupView(GroupView):
     def _compute_slots(self) -> torch.Tensor:
         st, md = self.step, self.md
         pos, req = st.positions, st.req_idx
-        if self.kind == "compressed":
-            replayed = st.once("replayed", lambda: replayed_mask(st.replay_start, req, pos, st.meta.replay_window))
-            return compressed_slots(self.block_table_i32, pos, req, replayed, md.tokens_per_state,
-                                    self.rows_per_block)
-        return ring_slots(self.ring_block_ids, pos, req, md.block_size)
+        return table_slots(self.kind, self.block_table_i32, pos, req,
+                           lambda: st.once("replayed", lambda: replayed_mask(st.replay_start, req, pos,
+                                                                             st.meta.replay_window)),
+                           md.tokens_per_state, self.rows_per_block, md.block_size)
 
 
 class StaticStep(Step):

@@ -14,7 +14,9 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
   stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
   Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
   (:func:`marlin_moe`), or with ``VLLM_DSV41_MOE=triton`` (:func:`moe_backend`, experimental) through our
-  ``dsv41::moe_mxfp4`` on the stacked bytes (:func:`mxfp4_expert_stack`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
+  ``dsv41::moe_mxfp4`` on the stacked bytes (:func:`mxfp4_expert_stack`); forwards of
+  ``VLLM_DSV41_MOE_BF16_FROM`` tokens or more (prefill) decode those bytes to bf16 for vLLM's Triton fused
+  MoE (:func:`bf16_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
   reference; :func:`masked_moe` inside captured decode steps, where the host may not read the routing).
 
 Why (docs/design.md, "Hopper path (CUDA)", Weights): Marlin is the W8A16 / W4A16 path vLLM 0.32 ships for SM90 that
@@ -382,8 +384,8 @@ def _bf16_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, to
     H, I2 = w2.shape[1:]
     key = (E, N, K2, H, I2, w13.device)
     if key not in _BF16_SCRATCH:
-        _BF16_SCRATCH[key] = (torch.empty(E, N, 2 * K2, dtype=torch.bfloat16, device=w13.device),
-                              torch.empty(E, H, 2 * I2, dtype=torch.bfloat16, device=w13.device))
+        _BF16_SCRATCH[key] = (torch.empty(E, N, 2 * K2, dtype=FAST_GEMM_DTYPE, device=w13.device),
+                              torch.empty(E, H, 2 * I2, dtype=FAST_GEMM_DTYPE, device=w13.device))
     return _BF16_SCRATCH[key]
 
 
@@ -405,7 +407,7 @@ def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor
     w13, w2 = _bf16_scratch(w13q, w2q)
     torch.ops.dsv41.dequant_mxfp4(w13q, s13, w13)
     torch.ops.dsv41.dequant_mxfp4(w2q, s2, w2)
-    a = x.to(torch.bfloat16).contiguous()
+    a = x.to(FAST_GEMM_DTYPE).contiguous()
     T, k = idx.shape
     E, N, _ = w13.shape
     H = w2.shape[1]
@@ -416,14 +418,14 @@ def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor
     gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=n_padded,
                 config=config, compute_type=tl.bfloat16, use_fp8_w8a8=False, use_int8_w8a8=False,
                 use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False)
-    h = torch.empty(T, k, N, dtype=torch.bfloat16, device=x.device)
+    h = torch.empty(T, k, N, dtype=FAST_GEMM_DTYPE, device=x.device)
     dispatch_fused_moe_kernel(a, w13, h, None, None, None, wts, mul_routed_weight=False, top_k=k, **gemm)
-    act = torch.empty(T * k, N // 2, dtype=torch.bfloat16, device=x.device)
+    act = torch.empty(T * k, N // 2, dtype=FAST_GEMM_DTYPE, device=x.device)
     apply_moe_activation(MoEActivation.SILU, act, h.view(-1, N),
                          activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
-    y = torch.empty(T, k, H, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(T, k, H, dtype=FAST_GEMM_DTYPE, device=x.device)
     dispatch_fused_moe_kernel(act, w2, y, None, None, None, wts, mul_routed_weight=True, top_k=1, **gemm)
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(T, H, dtype=FAST_GEMM_DTYPE, device=x.device)
     vops.moe_sum(y, out)
     return out.to(x.dtype)
 

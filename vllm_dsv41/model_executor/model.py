@@ -475,10 +475,10 @@ class MoE(nn.Module):
     def finalize(self) -> None:
         """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, or ours)."""
         if self.experts[0].quant and on_fast_device(self.gate.weight):
-            self.bf16_from = moe_bf16_from()
-            if moe_backend() == "triton" or self.bf16_from:
+            backend, self.bf16_from = moe_backend(), moe_bf16_from()
+            if backend == "triton" or self.bf16_from:
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
-            if moe_backend() == "marlin":
+            if backend == "marlin":
                 self.marlin = marlin_expert_stack(self.experts)
             del self.experts
 

@@ -34,7 +34,6 @@ class GroupView:
         self.block_table_i32 = md.block_table.to(device=device, dtype=torch.int32)
         self._bt64: torch.Tensor | None = None
         self._slots: torch.Tensor | None = None
-        self._ring: torch.Tensor | None = None
 
     @property
     def slot_mapping(self) -> torch.Tensor:
@@ -44,11 +43,8 @@ class GroupView:
 
     @property
     def ring_block_ids(self) -> torch.Tensor | None:
-        if self.kind != "ring":
-            return None
-        if self._ring is None:
-            self._ring = self.md.ring_block_ids.to(device=self.device, dtype=torch.int64)
-        return self._ring
+        """A ring group's block of each request: the table's first column (int64)."""
+        return self.block_table[:, 0] if self.kind == "ring" else None
 
     @property
     def block_table(self) -> torch.Tensor:

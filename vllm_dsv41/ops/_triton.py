@@ -4,8 +4,9 @@
 the function undecorated and ``tl.constexpr`` is a plain value, so a module defines its kernels either way
 and registers its Triton path only when ``HAS_TRITON``.
 
-Also :func:`interpreting` (Triton's interpreter is on) and :func:`launch_fitting`: a launch config that does not fit the GPU (shared memory, registers) steps
-down to the next smaller one instead of failing the request.
+Also :func:`interpreting` (Triton's interpreter is on), :func:`jit_with_e2m1` (an MXFP4 op's kernel with the
+E2M1 decoder bound) and :func:`launch_fitting`: a launch config that does not fit the GPU (shared memory,
+registers) steps down to the next smaller one instead of failing the request.
 """
 
 from __future__ import annotations
@@ -40,6 +41,19 @@ def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``, read as Triton reads it): there
     ``tl.dot`` takes no bf16 operands, so the kernels multiply in fp32."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def jit_with_e2m1(module: dict, name: str):
+    """Bind ``tl`` and sparse_attn's E2M1 decoder ``_e2m1_twice`` (the NVFP4 keys' codes are the MXFP4 weights'
+    too) into an op module's globals and JIT its kernel ``name`` there; returns the JIT function."""
+    import triton.language
+
+    from vllm_dsv41.ops import sparse_attn
+
+    module["tl"] = triton.language
+    module["_e2m1_twice"] = sparse_attn._e2m1_twice
+    module[name] = triton.jit(module[name])
+    return module[name]
 
 
 _FITTED: dict[tuple, dict] = {}  # (kernel, wanted config, constexpr flags) -> the config that fits
@@ -77,4 +91,4 @@ def launch_fitting(name: str, launch: Callable[[dict], None], configs: Iterable[
     raise RuntimeError(f"{name}: no launch config fits this GPU (tried {configs}): {error}") from error
 
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "launch_fitting"]
+__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "jit_with_e2m1", "launch_fitting"]

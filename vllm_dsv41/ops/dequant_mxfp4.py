@@ -20,6 +20,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import jit_with_e2m1
 
 __all__ = ["dequant_mxfp4", "dequant_mxfp4_ref"]
 
@@ -62,16 +63,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, R, C2, BLOCK_R: tl.constexpr, BLOCK_C
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    import triton
-    import triton.language
-
-    from vllm_dsv41.ops import sparse_attn  # its E2M1 decoder
-
-    module = globals()
-    module["tl"] = triton.language
-    module["_e2m1_twice"] = sparse_attn._e2m1_twice
-    module["_dequant_kernel"] = triton.jit(_dequant_kernel)
-    return module["_dequant_kernel"]
+    return jit_with_e2m1(globals(), "_dequant_kernel")
 
 
 BLOCK_R, BLOCK_C = 16, 128

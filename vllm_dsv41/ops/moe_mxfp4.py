@@ -17,7 +17,8 @@ Kernel design: the (token, slot) pairs are sorted by expert and padded to BLOCK_
 (:func:`align_by_expert`, sync-free, a static size so a decode step can be captured); a program owns one
 such block and BLOCK_N output columns and walks K in BLOCK_K steps: it gathers its rows of A, loads the
 packed bytes and scales of its expert's BLOCK_N rows once, decodes the low and high nibbles (even and odd
-inputs) and multiplies them against A's even and odd columns (two dots, no interleave).  Blocks are 16 rows at decode and 64 once the pairs per expert reach 32
+inputs) and multiplies them against A's even and odd columns (two dots, no interleave).  Blocks are 16 rows at
+decode and 64 once the pairs per expert reach 32
 (prefill).  The first GEMM
 writes [T*k, 2I] rows in (token, slot) order, the clamped SwiGLU runs in torch, the second GEMM scales its
 rows by the routing weights, and the k rows of a token are summed.  Checked without a GPU
@@ -35,7 +36,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import interpreting
+from vllm_dsv41.ops._triton import interpreting, jit_with_e2m1
 from vllm_dsv41.reference.model import clamped_swiglu_act
 
 __all__ = ["moe_mxfp4", "moe_mxfp4_ref", "align_by_expert"]
@@ -145,16 +146,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, experts_ptr, wts_ptr,
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    import triton
-    import triton.language
-
-    from vllm_dsv41.ops import sparse_attn  # its E2M1 decoder (the NVFP4 keys' codes are the same)
-
-    module = globals()
-    module["tl"] = triton.language
-    module["_e2m1_twice"] = sparse_attn._e2m1_twice
-    module["_moe_gemm_kernel"] = triton.jit(_moe_gemm_kernel)
-    return module["_moe_gemm_kernel"]
+    return jit_with_e2m1(globals(), "_moe_gemm_kernel")
 
 
 def launch_config(block_m: int, K: int) -> dict:
