@@ -65,3 +65,25 @@ def test_engine_settings_applied_by_the_config_hook(tiny_ckpt, monkeypatch):
     assert cfg.model_config.enforce_eager is True
     assert cfg.scheduler_config.async_scheduling is False
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+
+
+def test_async_scheduling_off_only_with_engram(monkeypatch):
+    """Engram's lookback ids need the sampled tokens on the host, so a checkpoint with Engram layers runs
+    synchronously; without Engram vLLM's own choice (None: async by default on CUDA) is left alone."""
+    from types import SimpleNamespace
+
+    from vllm_dsv41.engine_config import apply_engine_settings
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+    def config(engram_layer_ids):
+        text = SimpleNamespace(engram_layer_ids=engram_layer_ids)
+        return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True, hf_text_config=text, hf_config=None),
+                               scheduler_config=SimpleNamespace(async_scheduling=None))
+
+    with_engram, without = config([1, 14]), config([])
+    assert apply_engine_settings(with_engram) == [
+        "async_scheduling=False (Engram lookback ids need the sampled tokens)"]
+    assert with_engram.scheduler_config.async_scheduling is False
+    assert apply_engine_settings(without) == []
+    assert without.scheduler_config.async_scheduling is None

@@ -5,7 +5,7 @@
   runs inside the engine: registering a placeholder would break the built-in one);
 - a quantisation config that claims V4.1 checkpoints (FP8 32x32 E8M0 + MXFP4 experts), so the engine
   accepts them on every platform while our model loads the tensors itself;
-- the engine settings the model needs (eager, no async scheduling, model runner V1:
+- the engine settings the model needs (eager, no async scheduling with Engram, model runner V1:
   ``engine_config.py``) through vLLM's per-architecture config hook;
 - ``VLLM_MLA_DISABLE=1``: vLLM's CPU platform turns prefix caching and chunked prefill off for MLA
   models other than ``deepseek_v4``; our caches are not vLLM's MLA layers, so the MLA flag must be off.

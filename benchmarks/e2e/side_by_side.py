@@ -132,8 +132,6 @@ def llm_kwargs(impl: str, model: str, scale: str, overrides: dict[str, Any]) -> 
                                   max_model_len=max_model_len(scale))
     if scale == "tiny":
         kwargs.update(dtype="float32", enforce_eager=True)
-    if impl == "plugin":
-        kwargs["async_scheduling"] = False
     kwargs.update(overrides)
     return kwargs
 
@@ -329,6 +327,7 @@ def worker_main(args: argparse.Namespace) -> int:
         rec["kv_cache"] = kv_cache_summary(*engine_kv_cache_config(llm))
     except Exception as e:
         rec["kv_cache"] = {"error": error_text(e)}
+    rec["async_scheduling"] = bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     save_json(path, rec)
     try:

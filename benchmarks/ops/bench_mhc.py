@@ -63,7 +63,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64, 512, 8192])
     parser.add_argument("--sweep-tokens", type=int, nargs="*", default=[1, 8192],
                         help="token counts of the _mhc_pre_kernel launch-parameter sweep (none: skip it)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="the stream's dtype (the model keeps its streams in float32)")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     triton = open_gpu("bench_mhc")
     if triton is None:
         return 0
@@ -71,7 +74,7 @@ def main() -> int:
 
     from vllm_dsv41.ops import mhc
 
-    print(f"C={C} H={H} stream bf16, eps={EPS} hc_eps={HC_EPS} iters={ITERS}; times are medians in µs")
+    print(f"C={C} H={H} stream {args.dtype}, eps={EPS} hc_eps={HC_EPS} iters={ITERS}; times are medians in µs")
     refs = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref}
     tris = {"pre": mhc._mhc_pre_triton, "post": mhc._mhc_post_triton, "post_pre": mhc._mhc_post_pre_triton}
 
@@ -80,14 +83,14 @@ def main() -> int:
     for op in ("pre", "post", "post_pre"):
         for T in args.tokens:
             torch.manual_seed(0)
-            a = op_args(op, make_inputs(T))
+            a = op_args(op, make_inputs(T, dtype))
             ref, tri = (lambda: refs[op](*a)), (lambda: tris[op](*a))
             tri(), ref()  # compile + warm up
             torch.cuda.synchronize()
             t_ref = do_bench(ref, return_mode="median") * 1e3
             t_tri = do_bench(tri, return_mode="median") * 1e3
             t_graph = do_bench_cudagraph(tri, return_mode="median") * 1e3
-            nbytes = ideal_bytes(op, T, 2)
+            nbytes = ideal_bytes(op, T, dtype.itemsize)
             gbs = nbytes / (t_tri * 1e-6) / 1e9
             print(f"{op:>9} {T:>5} {t_ref:>9.1f} {t_tri:>10.1f} {t_ref / t_tri:>7.1f}x {t_graph:>9.1f} "
                   f"{nbytes / 1e6:>9.2f} {gbs:>7.0f} {100 * gbs * 1e9 / HBM_BYTES_PER_S:>8.1f}%")
@@ -102,7 +105,7 @@ def main() -> int:
     n_sms = mhc._num_sms(torch.device("cuda"))
     for op, T in itertools.product(("pre", "post_pre"), args.sweep_tokens):
         torch.manual_seed(0)
-        a = op_args(op, make_inputs(T))
+        a = op_args(op, make_inputs(T, dtype))
         fuse = op == "post_pre"
         default = mhc._pre_config(T, H, fuse, torch.device("cuda"))
         bt = default["block_t"]

@@ -2,6 +2,7 @@
 
     python benchmarks/ops/bench_router.py            # all cases, then a small tiling sweep
     python benchmarks/ops/bench_router.py --no-sweep
+    python benchmarks/ops/bench_router.py --no-sweep --x-dtype float32   # the model's fp32 x
 
 Per case (T tokens, E experts, top-k, H = 5120) it prints the median time of
   ref      ``router_ref`` on the GPU: fp32 GEMM (the weight upcast each call) + sort-based top-k,
@@ -22,16 +23,19 @@ H = 5120
 CASES = [(E, k, T) for E, k in ((384, 6), (32, 6), (128, 3)) for T in (1, 16, 64, 1024, 8192)]
 
 
+X_DTYPE = torch.bfloat16  # --x-dtype
+
+
 def make(T: int, E: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    x = torch.randn(T, H, device="cuda", generator=g).to(X_DTYPE)
     w = (torch.randn(E, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
     b = torch.randn(E, device="cuda", generator=g) * 0.05
     return x, w, b
 
 
 def torch_router(x, w, b, k, scaling):
-    s = torch.sqrt(torch.nn.functional.softplus(torch.nn.functional.linear(x, w).float()))
+    s = torch.sqrt(torch.nn.functional.softplus(torch.nn.functional.linear(x.to(w.dtype), w).float()))
     ids = torch.topk(s + b, k, dim=-1).indices
     wts = s.gather(-1, ids)
     return ids, wts / wts.sum(-1, keepdim=True) * scaling
@@ -46,17 +50,20 @@ def bench(fn) -> float:
 def run_cases() -> None:
     from vllm_dsv41.ops import router as r
 
+    fp32_x = X_DTYPE == torch.float32
     print(f"{'case':<22}{'ref us':>10}{'torch us':>10}{'triton us':>11}{'unfused us':>12}"
-          f"{'x ref':>8}{'x torch':>9}{'MB':>9}{'%HBM':>7}")
+          + (f"{'fma us':>9}" if fp32_x else "") + f"{'x ref':>8}{'x torch':>9}{'MB':>9}{'%HBM':>7}")
     for E, k, T in CASES:
         x, w, b = make(T, E)
         t_ref = bench(lambda: r.router_ref(x, w, b, k, 1.5))
         t_torch = bench(lambda: torch_router(x, w, b, k, 1.5))
         t_tri = bench(lambda: r._router_triton(x, w, b, k, 1.5))
         t_unf = bench(lambda: r._router_triton(x, w, b, k, 1.5, fuse_epilogue=False))
-        nbytes = T * H * 2 + E * H * 2 + E * 4 + T * k * 8
+        # fp32 x: the three-part bf16 split (triton) against the IEEE FMA dot it replaced (fma)
+        fma = f"{bench(lambda: r._router_triton(x, w, b, k, 1.5, split_x=False)):>9.1f}" if fp32_x else ""
+        nbytes = T * H * x.element_size() + E * H * 2 + E * 4 + T * k * 8
         pct = nbytes / (t_tri * 1e-6) / HBM_BYTES_PER_S * 100
-        print(f"{f'T{T} E{E} k{k}':<22}{t_ref:>10.1f}{t_torch:>10.1f}{t_tri:>11.1f}{t_unf:>12.1f}"
+        print(f"{f'T{T} E{E} k{k}':<22}{t_ref:>10.1f}{t_torch:>10.1f}{t_tri:>11.1f}{t_unf:>12.1f}{fma}"
               f"{t_ref / t_tri:>8.1f}{t_torch / t_tri:>9.1f}{nbytes / 1e6:>9.2f}{pct:>7.1f}", flush=True)
 
 
@@ -95,10 +102,14 @@ def sweep() -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--x-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="x's dtype (float32: the model's mHC output, the three-part split)")
     args = parser.parse_args()
+    global X_DTYPE
+    X_DTYPE = getattr(torch, args.x_dtype)
     if open_gpu("bench_router") is None:
         return 0
-    print(f"  H={H}  bf16 x, bf16 weight, fp32 bias, routed scaling 1.5")
+    print(f"  H={H}  {args.x_dtype} x, bf16 weight, fp32 bias, routed scaling 1.5")
     run_cases()
     if not args.no_sweep:
         sweep()

@@ -6,7 +6,7 @@ One engine (bench checkpoint, dummy weights, our plugin), then under ``torch.pro
      (other prompts of the same shape, 1 output), kernel by kernel, so the prompts' prefill cancels out
      and what is left is ``--decode`` decode steps;
   2. the same eagerly (graphs switched off on the model), batch 1 only: the launch count of one step;
-then 3. one prefill of ``--prefill`` tokens.  Prints the top kernels of each and the wall time per decode step
+then 3. one prefill of ``--prefill`` tokens; ``--host`` adds a cProfile of the host side.  Prints the top kernels of each and the wall time per decode step
 (the same difference of two runs), and writes the full tables to $OUT.
 
     PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/profile_steps.py /tmp/bench
@@ -67,6 +67,9 @@ def main() -> int:
     ap.add_argument("--decode-shapes", default="1:4096,64:1024", help="BATCH:CONTEXT,... decode profiles")
     ap.add_argument("--decode", type=int, default=16, help="decode steps profiled")
     ap.add_argument("--prefill", type=int, default=16384)
+    ap.add_argument("--sync", action="store_true", help="async scheduling off (the engine's choice otherwise)")
+    ap.add_argument("--host", action="store_true",
+                    help="also cProfile the host side of the last decode shape (top functions; pstats in $OUT)")
     args = ap.parse_args()
     out = os.environ.get("OUT", "/tmp")
 
@@ -81,9 +84,12 @@ def main() -> int:
     t0 = time.perf_counter()
     extra = dict(kv_cache_memory_bytes=16 << 30) if gpu else dict(dtype="float32")
     max_ctx = max([args.prefill] + [c for _, c in shapes])
-    llm = LLM(model=args.model, load_format="dummy", async_scheduling=False, max_model_len=max_ctx + 1024,
+    if args.sync:
+        extra["async_scheduling"] = False
+    llm = LLM(model=args.model, load_format="dummy", max_model_len=max_ctx + 1024,
               max_num_seqs=max(64, *(b for b, _ in shapes)), seed=0, **extra)
-    print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
+    print(f"engine start {time.perf_counter() - t0:.1f} s, async scheduling "
+          f"{llm.llm_engine.vllm_config.scheduler_config.async_scheduling}", flush=True)
     vocab = llm.llm_engine.model_config.get_vocab_size()
     calls = iter(range(1 << 30))
 
@@ -109,6 +115,20 @@ def main() -> int:
 
     for batch, ctx in shapes:
         decode_profile(f"decode graphs batch {batch}", batch, ctx)
+
+    if args.host:
+        import cProfile
+        import pstats
+
+        batch, ctx = shapes[-1]
+        prof = cProfile.Profile()
+        prof.enable()
+        gen(batch, ctx, 1 + args.decode)
+        prof.disable()
+        prof.dump_stats(os.path.join(out, "host.pstats"))
+        print(f"\n== host functions, batch {batch}, context {ctx}, prefill + {args.decode} decode steps "
+              "(cProfile, by own time)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
     def graphs_off(model):
         model._graphs, model._graph_mode = None, "off"

@@ -27,8 +27,8 @@ case "${1:-}" in
       tests/gpu/test_fast_path_cuda.py > "$OUT/gpu-tests.log" 2>&1
     grep -E "passed|failed|error|equal|divergence|rel err" "$OUT/gpu-tests.log" | tail -40 ;;
   profile)
-    timeout 560 python3 scripts/gpu/profile_steps.py /tmp/bench > "$OUT/profile.log" 2>&1
-    grep -vE "^(\(|INFO|WARNING|\[)" "$OUT/profile.log" | tail -100 | cut -c1-220 ;;
+    timeout 560 python3 scripts/gpu/profile_steps.py /tmp/bench --host > "$OUT/profile.log" 2>&1
+    grep -vE "^(\(|INFO|WARNING|\[)" "$OUT/profile.log" | tail -160 | cut -c1-220 ;;
   bench)
     timeout 330 python3 benchmarks/ops/bench_gemm.py > "$OUT/bench-gemm.log" 2>&1
     timeout 100 python3 benchmarks/ops/bench_swa_insert.py > "$OUT/bench-swa-insert.log" 2>&1

@@ -133,6 +133,8 @@ INTERPRET_CASES = {
     "T9-E48-H160-k6-split-unfused": (9, 48, 160, 6, "grid", "bfloat16", False,
                                      {"BLOCK_T": 16, "BLOCK_E": 16, "BLOCK_K": 32, "SPLIT_K": 3}),
     "T3-E32-H64-k3-random": (3, 32, 64, 3, "random", "float32", True, None),
+    # fp32 x against the bf16 weight: the three-part split, on the large-T tiles
+    "T70-E32-H160-k6-random-fp32-split": (70, 32, 160, 6, "random", "float32", True, None),
 }
 
 _RUNNER = """

@@ -250,18 +250,22 @@ def set_pending_step_info(info: RunnerStepInfo | None) -> None:
 
 
 def _build_step(
-    cm: CommonAttentionMetadata, info: RunnerStepInfo | None
+    cm: CommonAttentionMetadata, info: RunnerStepInfo | None, cpu_seq_lens_exact: bool = False
 ) -> DSV41StepMetadata:
+    """The step's host metadata.  ``cpu_seq_lens_exact``: the runner's CPU bound on ``seq_lens`` is exact
+    (no speculative decoding), so nothing is read back from the device: a read-back would wait for the
+    previous step's kernels and undo async scheduling's overlap."""
     num_reqs = cm.num_reqs
     qsl = cm.query_start_loc_cpu[: num_reqs + 1].to(torch.int32)
     num_tokens = int(qsl[-1])
     query_lens = (qsl[1:] - qsl[:-1]).to(torch.int64)
-    seq_lens = cm.seq_lens[:num_reqs].to("cpu", torch.int32)
-    context_lens = seq_lens - query_lens.to(torch.int32)
-    if cm.positions is not None:
-        positions = cm.positions[:num_tokens].to("cpu", torch.int64)
+    if cpu_seq_lens_exact and cm.seq_lens_cpu_upper_bound is not None:
+        seq_lens = cm.seq_lens_cpu_upper_bound[:num_reqs].to(torch.int32)
     else:
-        positions = _positions_from(context_lens, query_lens)
+        seq_lens = cm.seq_lens[:num_reqs].to("cpu", torch.int32)
+    context_lens = seq_lens - query_lens.to(torch.int32)
+    # each request's positions run from its context length on (text-only: no M-RoPE positions)
+    positions = _positions_from(context_lens, query_lens)
     token_req_idx = torch.repeat_interleave(torch.arange(num_reqs), query_lens)
 
     replay_start = torch.zeros(num_reqs, dtype=torch.int32)
@@ -332,6 +336,7 @@ class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
         tps = kv_cache_spec.tokens_per_state
         self.tokens_per_state = int(tps) if self.kind == "compressed" else 1
         self.rows_per_block = kv_cache_spec.block_size // self.tokens_per_state
+        self.cpu_seq_lens_exact = vllm_config.speculative_config is None
 
     def build(
         self,
@@ -345,7 +350,7 @@ class DSV41CacheMetadataBuilder(AttentionMetadataBuilder[DSV41GroupMetadata]):
         if info is not None and info.step is not None:
             step = info.step
         else:
-            step = _build_step(cm, info)
+            step = _build_step(cm, info, self.cpu_seq_lens_exact)
             if info is not None:
                 info.step = step
 

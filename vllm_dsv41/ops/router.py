@@ -24,6 +24,9 @@ Triton design (``_router_gemm_kernel``):
   Each CTA accumulates an fp32 [BLOCK_T, BLOCK_E] tile of partial logits over its slice of H with
   ``tl.dot`` (bf16 tensor cores; fp32 operands use IEEE fp32 so an fp32 x is not rounded to tf32)
   and writes it to a workspace ``part`` [SPLIT_K, T, E].
+* Operands: bf16 x and weight go straight to ``tl.dot``; an fp32 x (the mHC streams' dtype) is split
+  in-kernel into three bf16 parts whose sum is x exactly, so the logits keep fp32 products at tensor-core
+  speed; an fp32 weight (the CPU-sized fp32 models) takes the IEEE FMA dot on small tiles.
 * Tiles: T <= 64 uses 16 x 32 tiles (a GEMV in disguise: 12 E tiles for E = 384); larger T uses
   64 x 128 tiles on 8 warps.  H is then split (SPLIT_K <= 16, >= 256 columns each) until the grid
   covers the SMs, so at T = 1 about 120 CTAs each stream a 32 KB slice of the 3.9 MB weight at
@@ -134,7 +137,8 @@ def _router_gemm_kernel(
     T, H, E, routed_scaling, k_per_split,
     stride_xt, stride_xh, stride_we, stride_wh, stride_it, stride_wt,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, FUSE_EPILOGUE: tl.constexpr, ARRIVALS: tl.constexpr,
+    EVEN_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_X: tl.constexpr, FUSE_EPILOGUE: tl.constexpr,
+    ARRIVALS: tl.constexpr,
     TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, EPI_T: tl.constexpr,
 ):
     pid_e = tl.program_id(0)
@@ -159,7 +163,25 @@ def _router_gemm_kernel(
             k_ok = (k0 + offs_k) < k_end
             xt = tl.load(x_ptrs + k0 * stride_xh, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
             wt = tl.load(w_ptrs + k0 * stride_wh, mask=e_ok[None, :] & k_ok[:, None], other=0.0)
-        if UPCAST:  # fp32 operand(s): exact fp32 products, no tf32 rounding
+        if SPLIT_X:
+            # fp32 x, bf16 weight: x = hi + mid + lo exactly (each part bf16: 8 of fp32's 24 mantissa
+            # bits), and bf16 x bf16 products are exact in fp32, so three tensor-core dots give the fp32
+            # logits up to summation order (an FMA dot of fp32 tiles is ~5x slower at T = 1)
+            x32 = xt.to(tl.float32)
+            hi = x32.to(tl.bfloat16)
+            rest = x32 - hi.to(tl.float32)
+            mid = rest.to(tl.bfloat16)
+            lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+            if UPCAST:  # the interpreter has no bf16 dot: the same parts, fp32 products
+                w32 = wt.to(tl.float32)
+                acc = tl.dot(hi.to(tl.float32), w32, acc, input_precision="ieee")
+                acc = tl.dot(mid.to(tl.float32), w32, acc, input_precision="ieee")
+                acc = tl.dot(lo.to(tl.float32), w32, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(hi, wt, acc)
+                acc = tl.dot(mid, wt, acc)
+                acc = tl.dot(lo, wt, acc)
+        elif UPCAST:  # fp32 weight: exact fp32 products, no tf32 rounding
             acc = tl.dot(xt.to(tl.float32), wt.to(tl.float32), acc, input_precision="ieee")
         else:       # bf16 x bf16 -> fp32 accumulate on tensor cores
             acc = tl.dot(xt, wt, acc)
@@ -236,8 +258,9 @@ def _router_config(T: int, E: int, H: int, sms: int, upcast: bool) -> dict:
 
 def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int,
                    routed_scaling: float, fuse_epilogue: bool = True,
-                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the fused router.  ``config`` overrides the tile heuristics (benchmark sweeps)."""
+                   config: dict | None = None, split_x: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the fused router.  ``config`` overrides the tile heuristics (benchmark sweeps);
+    ``split_x=False`` keeps an fp32 x on the FMA dot (the slow path, for comparison)."""
     assert x.dim() == 2 and gate_weight.dim() == 2 and x.shape[1] == gate_weight.shape[1]
     T, H = x.shape
     E = gate_weight.shape[0]
@@ -249,9 +272,13 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
         return ids, wts
 
     interpret = interpreting()
-    # fp32 operands take the exact IEEE path; the interpreter cannot multiply bf16 tiles either
-    upcast = interpret or x.dtype == torch.float32 or gate_weight.dtype == torch.float32
-    cfg = _router_config(T, E, H, _sm_count(x.device), upcast)
+    # an fp32 x against the bf16 weight is split into three bf16 parts (tensor cores, fp32-exact products);
+    # an fp32 weight (or other mixed dtypes) takes the IEEE fp32 FMA dot; the interpreter cannot multiply
+    # bf16 tiles, so it runs every dot in fp32 (the split included)
+    split_x = x.dtype == torch.float32 and gate_weight.dtype == torch.bfloat16 and split_x is not False
+    fma = gate_weight.dtype == torch.float32 or (x.dtype != gate_weight.dtype and not split_x)
+    upcast = interpret or fma
+    cfg = _router_config(T, E, H, _sm_count(x.device), fma)
     cfg.update(config or {})
     block_t, block_e, block_k = cfg.pop("BLOCK_T"), cfg.pop("BLOCK_E"), cfg.pop("BLOCK_K")
     split_k = cfg.pop("SPLIT_K")
@@ -270,7 +297,7 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
         x.stride(0), x.stride(1), gate_weight.stride(0), gate_weight.stride(1),
         ids.stride(0), wts.stride(0),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=even_k,
-        UPCAST=upcast, FUSE_EPILOGUE=fuse_epilogue, ARRIVALS=triton.cdiv(E, block_e) * split_k,
+        UPCAST=upcast, SPLIT_X=split_x, FUSE_EPILOGUE=fuse_epilogue, ARRIVALS=triton.cdiv(E, block_e) * split_k,
         **common, **cfg)
     if not fuse_epilogue:
         rows = 4
