@@ -73,6 +73,7 @@ def main() -> int:
     from triton.testing import do_bench, do_bench_cudagraph
 
     from vllm_dsv41.ops import mhc
+    from vllm_dsv41.ops._triton import sm_count
 
     print(f"C={C} H={H} stream {args.dtype}, eps={EPS} hc_eps={HC_EPS} iters={ITERS}; times are medians in µs")
     refs = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref}
@@ -102,7 +103,7 @@ def main() -> int:
     if not args.sweep_tokens:
         return 0
     print("\n_mhc_pre_kernel launch sweep (do_bench µs; default = _pre_config):")
-    n_sms = mhc._num_sms(torch.device("cuda"))
+    n_sms = sm_count(torch.device("cuda"))
     for op, T in itertools.product(("pre", "post_pre"), args.sweep_tokens):
         torch.manual_seed(0)
         a = op_args(op, make_inputs(T, dtype))

@@ -11,6 +11,7 @@ registers) steps down to the next smaller one instead of failing the request.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterable
@@ -35,6 +36,27 @@ except ImportError:  # CPU-only wheels
     HAS_TRITON = False
 else:
     HAS_TRITON = True
+
+
+def sm_count(device) -> int:
+    """Multiprocessors of ``device``'s GPU (launch heuristics); 132, an H200's, for the interpreter's CPU
+    tensors, so tests there take the same tiling decisions."""
+    if device.type != "cuda":
+        return 132
+    return _cuda_sm_count(device.index if device.index is not None else _current_device())
+
+
+def _current_device() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def interpreting() -> bool:

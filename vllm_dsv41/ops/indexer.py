@@ -41,7 +41,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import interpreting
+from vllm_dsv41.ops._triton import interpreting, sm_count
 from vllm_dsv41.reference.model import index_scores as _reference_index_scores
 
 __all__ = ["index_scores", "index_scores_ref"]
@@ -243,11 +243,6 @@ def _kernels():
     return module["_index_scores_kernel"]
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _index_scores_triton(q: torch.Tensor, w: torch.Tensor, idx_cache: torch.Tensor, block_table: torch.Tensor,
                          rows_per_block: int, req_of_row: torch.Tensor, n_vis: torch.Tensor, n_max: int, *,
                          decode: str | None = None, tiles: int | None = None, block_n: int = 128,
@@ -275,7 +270,7 @@ def _index_scores_triton(q: torch.Tensor, w: torch.Tensor, idx_cache: torch.Tens
     if tiles is None:  # enough tiles per program to amortise the query load, while filling the GPU
         tiles = 1
         if q.is_cuda:
-            target = 4 * _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device())
+            target = 4 * sm_count(q.device)
             while tiles < 8 and T * n_tiles // (2 * tiles) >= target:
                 tiles *= 2
     align = 1

@@ -64,7 +64,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import interpreting
+from vllm_dsv41.ops._triton import interpreting, sm_count
 from vllm_dsv41.reference.model import sinkhorn
 
 # Bound to ``triton.language`` by ``_triton()`` on first CUDA use, so this module imports without Triton.
@@ -356,13 +356,6 @@ def _kernels() -> SimpleNamespace:
 # --------------------------------------------------------------------------- launch wrappers
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # interpreter runs on CPU tensors: pretend to be an H100/H200
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -381,7 +374,7 @@ def _pre_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
     """
     block_t = 16 if T <= 16 else 32 if T <= 32 else 64
     block_h = 16 if fuse_post and block_t > 16 else 32
-    split = max(1, min(2 * _num_sms(device) // _cdiv(T, block_t), _cdiv(H, block_h)))
+    split = max(1, min(2 * sm_count(device) // _cdiv(T, block_t), _cdiv(H, block_h)))
     return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4 if block_t <= 32 else 8, num_stages=2)
 
 

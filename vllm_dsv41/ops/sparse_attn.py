@@ -60,7 +60,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, triton_available
-from vllm_dsv41.ops._triton import launch_fitting
+from vllm_dsv41.ops._triton import launch_fitting, sm_count
 from vllm_dsv41.reference.model import apply_rope, sparse_attention
 
 try:  # Triton is optional: the CPU wheels run the reference only
@@ -439,21 +439,10 @@ if triton is not None:
 # --------------------------------------------------------------------------- launch wrapper
 
 
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return 132  # H200; only the interpreter gets here
-
-
 def default_num_splits(T: int, Hq: int, n_virtual_keys: int, device: torch.device) -> int:
     """Split-KV count for small T: as many (row x 64-head group x split) programs as fit in one wave
     on the SMs, never cutting a row's keys below ``MIN_KEYS_PER_SPLIT``; 1 once the rows fill a wave."""
-    sms = _sm_count(device)
+    sms = sm_count(device)
     units = T * -(-Hq // 64)
     return max(1, min(sms // units, n_virtual_keys // MIN_KEYS_PER_SPLIT))
 
@@ -584,7 +573,7 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
         # 16 heads per CTA, fewer while that leaves SMs idle (decode at batch 1: 4 CTAs of 16 heads took
         # ~11 µs, latency of S dependent rounds; 32 CTAs of 2 heads share the same bytes)
         bh = 16
-        while bh > 2 and T * triton.cdiv(Hq, bh) < _sm_count(q.device):
+        while bh > 2 and T * triton.cdiv(Hq, bh) < sm_count(q.device):
             bh //= 2
         _sparse_attn_combine_kernel[(T * triton.cdiv(Hq, bh),)](
             part_acc, part_ml, sink, positions, inv_freq, out, Hq, S, out.stride(0), out.stride(1),
