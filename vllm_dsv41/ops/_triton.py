@@ -43,13 +43,9 @@ def sm_count(device) -> int:
     tensors, so tests there take the same tiling decisions."""
     if device.type != "cuda":
         return 132
-    return _cuda_sm_count(device.index if device.index is not None else _current_device())
-
-
-def _current_device() -> int:
     import torch
 
-    return torch.cuda.current_device()
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @functools.cache
@@ -113,4 +109,4 @@ def launch_fitting(name: str, launch: Callable[[dict], None], configs: Iterable[
     raise RuntimeError(f"{name}: no launch config fits this GPU (tried {configs}): {error}") from error
 
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "jit_with_e2m1", "launch_fitting"]
+__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "jit_with_e2m1", "launch_fitting", "sm_count"]
