@@ -141,7 +141,7 @@ def _mhc_pre_kernel(
     stride_ps, stride_pt, stride_pn,
     C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr,
+    FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, F32_DOT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -210,7 +210,7 @@ def _mhc_pre_kernel(
                     acc = tl.dot(s_j.to(tl.float32), f_hi.to(tl.float32), acc, input_precision="ieee")
                     acc = tl.dot(s_j.to(tl.float32), f_lo.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision="tf32x3")
+                acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision=F32_DOT)
             s_j = s_j.to(tl.float32)
             ssq_v += tl.sum(s_j * s_j, axis=1)
             pp_j = tl.sum(tl.where(offs_c[None, :] == j, pp, 0.0), axis=1)                # [BLOCK_T]
@@ -367,15 +367,18 @@ def _cdiv(a: int, b: int) -> int:
 def _pre_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
     """Launch parameters of ``_mhc_pre_kernel``: token block, H chunk, warps, stages, H split count.
 
-    Token blocks of 16/32/64 (fn is re-read from L2 once per block, so large T wants 64); 32-wide H
-    chunks, 16 when the post-mix is fused into a 32/64-token block (register pressure: sm_90 builds of
-    these tiles stay at <= 160 registers without spills).  The split count makes token blocks x splits
-    about two programs per SM, so that at small T ~160 programs share the read of fn.
+    Token blocks of 16/32/64 (fn is re-read from L2 once per block, so large T wants 64); 64-wide H chunks
+    for 16-token blocks (half the splits of 32-wide ones, so the epilogue sums half the partials), 16-wide
+    for larger blocks (register pressure of the fused post-mix and of the fp32 stream tile); 4 warps.  The
+    split count makes token blocks x splits about two programs per SM, so that at small T the programs share
+    the read of fn.  Chosen from CUPTI kernel times on an H200 with fp32 streams (docs/benchmarks.md,
+    session 8: ``benchmarks/ops/kernel_times.py --only mhc``); e.g. ``mhc_post_pre`` 47.6 -> 34.8 µs at
+    T = 64 and 1,306 -> 748 µs at T = 4096 against the previous 8-warp, 32-wide tiles.
     """
     block_t = 16 if T <= 16 else 32 if T <= 32 else 64
-    block_h = 16 if fuse_post and block_t > 16 else 32
+    block_h = 64 if block_t == 16 else 16
     split = max(1, min(2 * sm_count(device) // _cdiv(T, block_t), _cdiv(H, block_h)))
-    return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4 if block_t <= 32 else 8, num_stages=2)
+    return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4, num_stages=2)
 
 
 def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int, int, int]:
@@ -431,7 +434,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         *stream.stride(), *src_strides, *fn.stride(), *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        F32_DOT=cfg.get("f32_dot", "tf32x3"), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
     ep_t, ep_h = 8, 512

@@ -36,7 +36,9 @@ even and odd elements (``k[:, 0::2]``, ``k[:, 1::2]``): q·k = q_e·k_e + q_o·k
 RoPE pairs (2i, 2i+1) then sit at the same index of the two accumulators, so the inverse RoPE is
 elementwise.  The split also matches the records: an NVFP4 byte holds elements (2i, 2i+1) in its
 two nibbles, and the MXFP8 bytes are read as 16-bit words (low byte even, high byte odd).
-Keys are walked as one virtual list: SWA entries in [0, W_pad), compressed entries after.  For
+Keys are walked as one virtual list: SWA entries in [0, W_pad), compressed entries after; a key tile whose
+slots are all -1 (a window not yet full, fewer compressed entries than top-k: the short prompts of a prefill)
+is skipped.  For
 small T (decode) the list is cut into NUM_SPLITS ranges ("split-KV") whose partial (max, sum,
 acc) go to an fp32 workspace, merged by ``_sparse_attn_combine_kernel``; with one split the
 main kernel normalises and writes directly.  Dequantised keys are exact in bf16 (E4M3 x 2^e and
@@ -345,23 +347,25 @@ if triton is not None:
         for n0 in range(tl.minimum(lo, W), tl.minimum(hi, W), BLOCK_N):
             n = n0 + offs_n
             slots = tl.load(swa_slot_ptr + t * stride_sst + n, mask=n < W, other=-1)
-            valid = slots >= 0
-            k_e, k_o = _mxfp8_keys(swa8_ptr, swa16_ptr, stride_swa8, stride_swa16, slots.to(tl.int64), valid,
-                                   D, BLOCK_N, HW_FP8, SWA_ALIGNED)
-            k_e, k_o = k_e.to(q_e.dtype), k_o.to(q_e.dtype)  # exact: the records carry <= 8 significant bits
-            m_i, l_i, acc_e, acc_o = _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
-                                             DOT_PREC, P_BF16)
+            if tl.max(slots, 0) >= 0:  # a tile of -1 only (a window not yet full) is skipped
+                valid = slots >= 0
+                k_e, k_o = _mxfp8_keys(swa8_ptr, swa16_ptr, stride_swa8, stride_swa16, slots.to(tl.int64), valid,
+                                       D, BLOCK_N, HW_FP8, SWA_ALIGNED)
+                k_e, k_o = k_e.to(q_e.dtype), k_o.to(q_e.dtype)  # exact: the records carry <= 8 significant bits
+                m_i, l_i, acc_e, acc_o = _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
+                                                 DOT_PREC, P_BF16)
         # compressed entries: virtual keys [W_pad, W_pad + K)
         if HAS_COMP:
             for n0 in range(tl.maximum(lo - W_pad, 0), tl.minimum(hi - W_pad, K), BLOCK_N):
                 n = n0 + offs_n
                 slots = tl.load(comp_slot_ptr + t * stride_cst + n, mask=n < K, other=-1)
-                valid = slots >= 0
-                k_e, k_o = _nvfp4_keys(comp8_ptr, stride_comp8, slots.to(tl.int64), valid, D, BLOCK_N, HW_FP8,
-                                       COMP_ALIGNED)
-                k_e, k_o = k_e.to(q_e.dtype), k_o.to(q_e.dtype)
-                m_i, l_i, acc_e, acc_o = _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
-                                                 DOT_PREC, P_BF16)
+                if tl.max(slots, 0) >= 0:  # fewer entries than top-k visible: the -1 tail is skipped
+                    valid = slots >= 0
+                    k_e, k_o = _nvfp4_keys(comp8_ptr, stride_comp8, slots.to(tl.int64), valid, D, BLOCK_N, HW_FP8,
+                                           COMP_ALIGNED)
+                    k_e, k_o = k_e.to(q_e.dtype), k_o.to(q_e.dtype)
+                    m_i, l_i, acc_e, acc_o = _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale,
+                                                     DOT_PREC, P_BF16)
 
         if NUM_SPLITS == 1:
             denom = l_i + tl.exp2(sink2 - m_i)

@@ -1,0 +1,221 @@
+"""Device time per call of the hot ops, kernel by kernel, from the CUDA profiler (no launch overhead).
+
+    python benchmarks/ops/kernel_times.py                       # every section at decode and prefill sizes
+    python benchmarks/ops/kernel_times.py --only moe sparse_attn --tokens 1 64
+
+``do_bench`` times of sub-50 µs ops measure the host's launch work (docs/benchmarks.md, session 7); a
+captured decode step does not pay it.  Here each op runs ``--iters`` times eagerly under
+``torch.profiler`` and every kernel's CUPTI duration is summed and divided by the call count: the GPU time a
+graph replay of the op would take, minus the gaps between kernels.  One line per (op, size, variant), with the
+kernels named and the bytes an ideal kernel moves.  Sections: ``moe`` (``dsv41::moe_mxfp4``, Triton, E 32,
+top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16 against bf16 cuBLAS at the bench
+shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``sparse_attn`` (decode and prefill cases of
+bench_sparse_attn.py, launch configs) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
+model's dtype).  Image torch + Triton suffice for all but ``dense``.  Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+from _common import HBM_BYTES_PER_S, open_gpu
+
+
+def kernel_us(fn, iters: int) -> tuple[float, dict[str, float]]:
+    """(total device µs per call, {kernel name: µs per call}) of ``fn`` run ``iters`` times."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    per: dict[str, float] = defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            per[ev.name[:48]] += ev.device_time / iters
+    return sum(per.values()), dict(per)
+
+
+def report(label: str, nbytes: float, total: float, per: dict[str, float]) -> None:
+    top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:4])
+    print(f"{label:<44} {total:9.1f} µs {nbytes / 1e6:9.2f} MB {100 * nbytes / (total * 1e-6) / HBM_BYTES_PER_S:6.1f}%"
+          f"  [{top}]", flush=True)
+
+
+def section_moe(tokens: list[int], iters: int) -> None:
+    from vllm_dsv41.ops import moe_mxfp4 as mm
+
+    E, K, H, I = 32, 6, 5120, 2304
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, device="cuda", dtype=torch.uint8)
+    s13 = torch.randint(118, 124, (E, 2 * I, H // 32), generator=g, device="cuda", dtype=torch.uint8)
+    w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, device="cuda", dtype=torch.uint8)
+    s2 = torch.randint(118, 124, (E, H, I // 32), generator=g, device="cuda", dtype=torch.uint8)
+    per_expert = 3 * H * I // 2 + 3 * H * I // 32
+    base_cfg = mm.launch_config
+    print(f"\nmoe_mxfp4 (Triton): E={E} top-{K} H={H} I={I}; MB = the weights of the experts hit, read once")
+    for T in tokens:
+        x = (torch.randn(T, H, generator=g, device="cuda") * 0.5).bfloat16()
+        wts, idx = torch.softmax(torch.randn(T, E, generator=g, device="cuda"), -1).topk(K, -1)
+        nbytes = idx.unique().numel() * per_expert
+        variants = [("default", None)]
+        if T * K < 32 * E:  # the 16-row path (the variants pin its block size)
+            variants += [(f"bm{bm} bn{bn} bk{bk} w{nw}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw))
+                         for bm, bn, bk, nw in ((16, 32, 128, 4), (16, 64, 256, 8), (16, 128, 128, 8),
+                                                (32, 64, 128, 8), (16, 32, 256, 4))]
+        for name, cfg in variants:
+            if cfg is not None:
+                mm.launch_config = lambda block_m, k_in, c=cfg: dict(c)
+                mm.SMALL_BLOCK_M = cfg["BLOCK_M"]
+            try:
+                total, per = kernel_us(lambda: mm._moe_mxfp4_triton(x, w13, s13, w2, s2, idx, wts, 10.0), iters)
+                report(f"moe T={T} {name}", nbytes, total, per)
+            except Exception as exc:  # a tile that does not fit
+                print(f"moe T={T} {name}: {type(exc).__name__}: {str(exc)[:120]}")
+            finally:
+                mm.launch_config, mm.SMALL_BLOCK_M = base_cfg, 16
+
+
+def section_dense(tokens: list[int], iters: int) -> None:
+    """Marlin W8A16 on the FP8 bytes vs cuBLAS on the bf16 weights, and vLLM's Marlin MXFP4 MoE (needs vLLM).
+    Each path cycles through copies of its weights (>= 256 MB) so that they come from HBM, as in a step."""
+    import bench_gemm as bg
+
+    from vllm_dsv41 import formats
+    from vllm_dsv41.model_executor import linear
+
+    print("\ndense FP8 GEMMs: Marlin W8A16 (FP8 bytes) vs bf16 cuBLAS; MB = the weight bytes of the path")
+    for label, N, K in bg.SHAPES:
+        copies = max(2, -(-256 * 2 ** 20 // (2 * N * K)))
+        marlin, w16 = [], []
+        os.environ[linear.DENSE_GEMM_ENV] = "marlin"
+        for _ in range(copies):
+            lin = linear.QuantLinear(N, K, quant=True).cuda()
+            w8, sc = formats.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.05, 32)
+            lin.weight.data.copy_(w8)
+            lin.scale.data.copy_(formats.as_uint8(sc))
+            w16.append(lin.dequantized().to(torch.bfloat16))
+            lin.finalize()
+            marlin.append(lin)
+        os.environ.pop(linear.DENSE_GEMM_ENV)
+        for M in tokens:
+            x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            for name, mats, call, nbytes in (
+                    ("marlin", marlin, lambda m: m(x), N * K),
+                    ("bf16", w16, lambda w: torch.nn.functional.linear(x, w), 2 * N * K)):
+                it = iter(range(10 ** 9))
+                total, per = kernel_us(lambda: call(mats[next(it) % copies]), iters)
+                report(f"{label} {N}x{K} M={M} {name}", nbytes, total, per)
+        del marlin, w16
+        torch.cuda.empty_cache()
+
+    experts = torch.nn.ModuleList(linear.Expert(bg.H, bg.I, quant=True) for _ in range(bg.E)).cuda()
+    for ex in experts:
+        for name, shape in (("w1", (bg.I, bg.H)), ("w3", (bg.I, bg.H)), ("w2", (bg.H, bg.I))):
+            packed, sc = formats.quant_mxfp4(torch.randn(*shape, device="cuda") * 0.05)
+            getattr(ex, name).weight.data.copy_(packed.view(torch.int8))
+            getattr(ex, name).scale.data.copy_(formats.as_uint8(sc))
+    stack = linear.marlin_expert_stack(experts)
+    del experts
+    per_expert = 3 * bg.H * bg.I // 2
+    print(f"\nMarlin MXFP4 MoE (fused_marlin_moe): E={bg.E} top-{bg.TOPK}; MB = experts hit x their MXFP4 bytes")
+    for T in tokens:
+        x = (torch.randn(T, bg.H, device="cuda") * 0.5).bfloat16()
+        wts, idx = torch.softmax(torch.randn(T, bg.E, device="cuda"), -1).topk(bg.TOPK, -1)
+        total, per = kernel_us(lambda: linear.marlin_moe(x, stack, idx, wts, 10.0), iters)
+        report(f"marlin moe T={T}", idx.unique().numel() * per_expert, total, per)
+
+
+def short_prompt_case(bsa, T: int) -> dict:
+    """A prompt's prefill from position 0: windows and compressed lists fill up along it (-1 padded, as the
+    model lists them), the case where ``sparse_attn`` skips the tiles of -1."""
+    c = bsa.prefill_case(T, T, start=0)
+    c["swa_slots"] = torch.where(c["swa_slots"] >= 0, c["swa_slots"], -1)
+    n_vis = (c["positions"] + 1) // 2
+    j = torch.arange(c["comp_slots"].shape[1], device="cuda")
+    c["comp_slots"] = torch.where(j[None, :] < n_vis[:, None], c["comp_slots"], -1).int()
+    return c
+
+
+def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> None:
+    import bench_sparse_attn as bsa
+
+    from vllm_dsv41.ops import sparse_attn as sa
+
+    print("\nsparse_attn: Hq=64 D=512 W=128 K=512, bf16 q; MB = each distinct record once + q + out")
+    cases = [(f"decode T={t}", bsa.decode_case(t, t)) for t in tokens]
+    cases += [(f"prefill T={t}", bsa.prefill_case(t, t)) for t in prefill]
+    cases += [("prompt 0..1023", short_prompt_case(bsa, 1024))]
+    for name, c in cases:
+        T = c["q"].shape[0]
+        _, ubytes = bsa.moved_bytes(c)
+        variants = [("default", None, None)]
+        cfgs = [] if "prompt" in name else [(64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 1), (32, 64, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)]
+        variants += [(f"{bh}/{bn}/{nw}/{ns}", dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns), None)
+                     for bh, bn, nw, ns in cfgs]
+        if T <= 64:
+            variants += [(f"default splits={s}", None, s) for s in (1, 2, 4, 8) if T * s <= 256]
+        for vname, cfg, splits in variants:
+            try:
+                total, per = kernel_us(lambda: sa._sparse_attn_triton(*bsa._args(c), num_splits=splits, config=cfg),
+                                       iters)
+                report(f"{name} {vname}", ubytes, total, per)
+            except Exception as exc:
+                print(f"{name} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
+def section_mhc(tokens: list[int], iters: int) -> None:
+    import bench_mhc as bm
+
+    from vllm_dsv41.ops import mhc
+
+    print("\nmhc with fp32 streams (C=4, H=5120); MB = every input read once, every output written once")
+    for op in ("pre", "post_pre"):
+        fn = mhc._mhc_pre_triton if op == "pre" else mhc._mhc_post_pre_triton
+        for T in tokens:
+            a = bm.op_args(op, bm.make_inputs(T, torch.float32))
+            nbytes = bm.ideal_bytes(op, T, 4)
+            d = mhc._pre_config(T, bm.H, op == "post_pre", torch.device("cuda"))
+            variants = [("default", None), ("default ieee", {"f32_dot": "ieee"})]
+            for bt, bh, nw in ((16, 16, 4), (16, 64, 4), (64, 16, 4), (64, 16, 8), (64, 32, 8)):
+                if (bt, bh, nw) != (d["block_t"], d["block_h"], d["num_warps"]) and (bt == 16 or T > 16):
+                    split = max(1, min(2 * 132 // -(-T // bt), -(-bm.H // bh)))
+                    variants.append((f"bt{bt} bh{bh} w{nw}", dict(block_t=bt, block_h=bh, num_warps=nw, split=split)))
+            for vname, cfg in variants:
+                try:
+                    total, per = kernel_us(lambda: fn(*a, config=cfg), iters)
+                    report(f"mhc_{op} T={T} {vname}", nbytes, total, per)
+                except Exception as exc:
+                    print(f"mhc_{op} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", default=["moe", "sparse_attn", "mhc"])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 64], help="decode token counts")
+    ap.add_argument("--prefill", type=int, nargs="*", default=[4096], help="prefill token counts")
+    ap.add_argument("--iters", type=int, default=20)
+    a = ap.parse_args()
+    if open_gpu("kernel_times") is None:
+        return 0
+    for name in a.only:
+        if name == "moe":
+            section_moe(a.tokens + a.prefill, a.iters)
+        elif name == "sparse_attn":
+            section_sparse_attn(a.tokens, a.prefill, a.iters)
+        elif name == "dense":
+            section_dense(a.tokens, a.iters)
+        elif name == "mhc":
+            section_mhc(a.tokens + a.prefill, a.iters)
+        else:
+            raise SystemExit(f"unknown section {name!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
