@@ -367,16 +367,17 @@ def _cdiv(a: int, b: int) -> int:
 def _pre_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
     """Launch parameters of ``_mhc_pre_kernel``: token block, H chunk, warps, stages, H split count.
 
-    Token blocks of 16/32/64 (fn is re-read from L2 once per block, so large T wants 64); 64-wide H chunks
-    for 16-token blocks (half the splits of 32-wide ones, so the epilogue sums half the partials), 16-wide
-    for larger blocks (register pressure of the fused post-mix and of the fp32 stream tile); 4 warps.  The
-    split count makes token blocks x splits about two programs per SM, so that at small T the programs share
-    the read of fn.  Chosen from CUPTI kernel times on an H200 with fp32 streams (docs/benchmarks.md,
-    session 8: ``benchmarks/ops/kernel_times.py --only mhc``); e.g. ``mhc_post_pre`` 47.6 -> 34.8 µs at
-    T = 64 and 1,306 -> 748 µs at T = 4096 against the previous 8-warp, 32-wide tiles.
+    16-token blocks up to T = 64 and 64-token blocks above (fn is re-read from L2 once per block, so large T
+    wants 64); 64-wide H chunks up to 16 tokens (half the splits of narrower chunks, so the epilogue sums
+    half the partials), 16-wide above (register pressure of the fp32 stream tile and of the fused post-mix);
+    4 warps.  The split count makes token blocks x splits about two programs per SM, so that at small T the
+    programs share the read of fn.  Chosen from CUPTI kernel times on an H200 with fp32 streams
+    (docs/benchmarks.md, session 8, ``benchmarks/ops/kernel_times.py --only mhc``): against the previous
+    8-warp 32-wide tiles, ``mhc_pre`` 32.4 -> 16.2 µs and ``mhc_post_pre`` 47.6 -> 33.4 µs at T = 64,
+    ``mhc_post_pre`` 1,306 -> 742 µs at T = 4096.
     """
-    block_t = 16 if T <= 16 else 32 if T <= 32 else 64
-    block_h = 64 if block_t == 16 else 16
+    block_t = 16 if T <= 64 else 64
+    block_h = 64 if T <= 16 else 16
     split = max(1, min(2 * sm_count(device) // _cdiv(T, block_t), _cdiv(H, block_h)))
     return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4, num_stages=2)
 
