@@ -181,7 +181,7 @@ def section_mhc(tokens: list[int], iters: int) -> None:
             a = bm.op_args(op, bm.make_inputs(T, torch.float32))
             nbytes = bm.ideal_bytes(op, T, 4)
             d = mhc._pre_config(T, bm.H, op == "post_pre", torch.device("cuda"))
-            variants = [("default", None), ("default ieee", {"f32_dot": "ieee"})]
+            variants = [("default", None)]
             for bt, bh, nw in ((16, 16, 4), (16, 64, 4), (64, 16, 4), (64, 16, 8), (64, 32, 8)):
                 if (bt, bh, nw) != (d["block_t"], d["block_h"], d["num_warps"]) and (bt == 16 or T > 16):
                     split = max(1, min(2 * 132 // -(-T // bt), -(-bm.H // bh)))

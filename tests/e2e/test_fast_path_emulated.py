@@ -94,8 +94,7 @@ def _layout(m, dtype: torch.dtype) -> dict:
     attn = [layer.attn for layer in m.model.layers]
     ffn = [layer.ffn for layer in m.model.layers]
     live = [q for q in m.modules() if isinstance(q, linear.QuantLinear) and not getattr(q, "retired", False)]
-    gemms = {("hybrid" if q.marlin is not None else "bf16") if q.w16 is not None
-             else "marlin" if q.marlin is not None else "none" for q in live}
+    gemms = {"bf16" if q.w16 is not None else "marlin" if q.marlin is not None else "none" for q in live}
     return {
         "cuda_fast": m.weights.cuda_fast,
         "dense gemm": gemms.pop() if len(gemms) == 1 else sorted(gemms),
@@ -144,12 +143,11 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
     assert same == len(prompts)
 
 
-@pytest.mark.parametrize("gemm,moe", [("bf16", "marlin"), ("marlin", "marlin"), ("hybrid", "marlin"),
-                                      ("bf16", "triton")])
+@pytest.mark.parametrize("gemm,moe", [("bf16", "marlin"), ("marlin", "marlin"), ("bf16", "triton")])
 def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, moe):
     """fp32: the fast path's code with fp32 where the GPU uses bf16 gives the dequantised ops path's logits
     (every step, whole vocabulary) to fp32 rounding, for both dense GEMM backends and both routed-expert
-    paths (``hybrid``: Marlin for the decode steps, bf16 for the prompts): the fused GEMMs' splits, the grouped wo_a (batched on the dequantised weights; on Marlin the
+    paths: the fused GEMMs' splits, the grouped wo_a (batched on the dequantised weights; on Marlin the
     all-rows diagonal at decode and per-group GEMMs at prefill), the shared expert and the routed stack
     (Marlin's stand-in, or ``dsv41::moe_mxfp4`` whose CPU implementation is its reference) compute the same
     products."""

@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 REL_TOL = 2e-2
 
 
-@pytest.fixture(params=["bf16", "marlin", "hybrid"])
+@pytest.fixture(params=["bf16", "marlin"])
 def dense_gemm(request, monkeypatch) -> str:
     """Each FP8 dense layer test runs once per ``VLLM_DSV41_DENSE_GEMM`` backend."""
     monkeypatch.setenv(DENSE_GEMM_ENV, request.param)

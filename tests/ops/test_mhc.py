@@ -265,4 +265,3 @@ def test_cuda_pre_fp32_stream(T):
     for name, a, b in zip(("x", "pre", "post", "comb"), mhc.mhc_pre_ref(*pre_args(t)),
                           torch.ops.dsv41.mhc_pre(*pre_args(t))):
         assert_close(f"mhc_pre fp32 T={T} {name}", a, b, ratio=1e-4)
-

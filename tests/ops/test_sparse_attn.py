@@ -237,10 +237,6 @@ _INTERP_CASES = [
      dict(BLOCK_H=16, BLOCK_N=32), 2, True),
     ("bf16-strided-q", dict(T=3, Hq=6, D=64, R=16, W=9, K=17, seed=17, dtype=torch.bfloat16, strided=True),
      dict(BLOCK_H=16, BLOCK_N=16), 1, False),
-    # SKIP_EMPTY (prefill sizes) on small cases: rows whose lists hold whole tiles of -1
-    ("skip-empty-row-s1", dict(odd=True, empty_row=True, skip=True), dict(BLOCK_H=16, BLOCK_N=16), 1, False),
-    ("skip-mixed-s2", dict(T=3, Hq=4, D=64, R=16, W=40, K=70, seed=15, skip=True), dict(BLOCK_H=16, BLOCK_N=16), 2,
-     True),
     ("real-T1-fp32-auto", dict(T=1, Hq=64, D=512, R=64, W=128, K=512, seed=18, swa_pool=512, comp_pool=2048,
                                holes=0.02), dict(BLOCK_H=64, BLOCK_N=32), None, True),
 ]
@@ -250,11 +246,9 @@ def _interpreter_main() -> int:
     """Run every interpreter case; one line each; exit status 1 on any failure."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
     failed = 0
-    skip_from = sa.SKIP_EMPTY_FROM
     for name, kw, cfg, splits, hw in _INTERP_CASES:
         kw = dict(kw)
         strided = kw.pop("strided", False)
-        sa.SKIP_EMPTY_FROM = 1 if kw.pop("skip", False) else skip_from
         c = odd_case(kw.get("dtype", torch.float32), empty_row=kw.get("empty_row", False)) \
             if kw.pop("odd", False) else random_case(**kw)
         if strided:  # q as a view with odd strides (no paired 32-bit access)
@@ -423,7 +417,7 @@ def _sm90_sparse_attn(dtype: torch.dtype, cfg: dict) -> dict:
     consts = {"D": 512, "R": 64, "BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "HAS_COMP": True, "HW_FP8": True,
               "DOT_PREC": "tf32" if dtype == torch.bfloat16 else "ieee", "P_BF16": dtype == torch.bfloat16,
               "DOT_F32": dtype == torch.float32, "SWA_ALIGNED": True, "COMP_ALIGNED": True,
-              "PAIR_IO": dtype == torch.bfloat16, "SKIP_EMPTY": False}
+              "PAIR_IO": dtype == torch.bfloat16}
     kernel = sa._sparse_attn_kernel
     sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
     return sm90_build(kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])

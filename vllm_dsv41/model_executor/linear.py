@@ -7,10 +7,9 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
 * :class:`QuantLinear` - an FP8 E4M3 weight with 32x32 UE8M0 tiles.  Dequantised on arrival on
   the exact path; on the fast path the FP8 bytes and tiles are kept and, on CUDA, turned once after
   loading into what ``VLLM_DSV41_DENSE_GEMM`` (:func:`dense_gemm_backend`) names: ``bf16`` (default:
-  the dequantised weight in bf16, exact since E4M3 x 2^k fits bf16, through cuBLAS), ``marlin``
+  the dequantised weight in bf16, exact since E4M3 x 2^k fits bf16, through cuBLAS) or ``marlin``
   (vLLM's Marlin W8A16 MXFP8 GEMM; a 32x32 tile is 32 rows of one 1x32 MX scale, so the repack is
-  exact) or ``hybrid`` (both: Marlin for decode-sized forwards, cuBLAS bf16 for prefill); on CPU the fast
-  path dequantises per call (the reference);
+  exact); on CPU the fast path dequantises per call (the reference);
 * :class:`Expert` - a routed expert (MXFP4, 1x32 UE8M0).  Quantised on CUDA, a layer's experts are
   stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
   Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
@@ -59,28 +58,11 @@ def weights_mode(exact: bool, on_cuda: bool) -> str:
 
 def dense_gemm_backend() -> str:
     """``VLLM_DSV41_DENSE_GEMM``: how the fast CUDA path runs the FP8 dense weights - ``bf16`` (default;
-    dequantised once, cuBLAS), ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory) or
-    ``hybrid`` (both kept: Marlin for forwards of at most :func:`hybrid_marlin_rows` tokens, where a GEMM reads
-    its weight and half the bytes is half the time, cuBLAS bf16 above, where Marlin's W8A16 tiles are slow)."""
+    dequantised once, cuBLAS) or ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory)."""
     v = os.environ.get(DENSE_GEMM_ENV, "bf16").strip().lower() or "bf16"
-    if v not in ("bf16", "marlin", "hybrid"):
-        raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16, marlin or hybrid")
+    if v not in ("bf16", "marlin"):
+        raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16 or marlin")
     return v
-
-
-HYBRID_MARLIN_ROWS_ENV = "VLLM_DSV41_DENSE_MARLIN_ROWS"
-
-
-def hybrid_marlin_rows() -> int:
-    """``VLLM_DSV41_DENSE_MARLIN_ROWS`` (default 64): the most tokens a ``hybrid`` dense layer sends to Marlin."""
-    v = os.environ.get(HYBRID_MARLIN_ROWS_ENV, "64").strip() or "64"
-    try:
-        rows = int(v)
-    except ValueError:
-        rows = -1
-    if rows < 0:
-        raise ValueError(f"{HYBRID_MARLIN_ROWS_ENV}={v!r}: expected a token count >= 0")
-    return rows
 
 
 def moe_backend() -> str:
@@ -240,7 +222,6 @@ class QuantLinear(nn.Module):
         self.marlin: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per group
         self.marlin_all: tuple[torch.Tensor, torch.Tensor] | None = None  # all rows (grouped layers)
         self.w16: torch.Tensor | None = None  # the dequantised weight [N, K] in FAST_GEMM_DTYPE (cuBLAS)
-        self.marlin_max_rows = -1  # with both w16 and Marlin (``hybrid``): forwards of at most this many tokens
         if not quant:
             self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float32))
             return
@@ -254,24 +235,22 @@ class QuantLinear(nn.Module):
         return formats.dequant_fp8_block(self.weight, self.scale.view(E8M0), 32)
 
     def finalize(self) -> None:
-        """After loading, when the weight lives on CUDA: dequantise it to ``w16``, repack it for Marlin, or both
-        (``hybrid``)."""
+        """After loading, when the weight lives on CUDA: dequantise it to ``w16`` or repack it for Marlin."""
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
-        backend = dense_gemm_backend()
-        if backend in ("bf16", "hybrid"):
+        if dense_gemm_backend() == "bf16":
             self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
-            self.marlin_max_rows = hybrid_marlin_rows() if backend == "hybrid" else -1
-        if backend in ("marlin", "hybrid"):
-            rows = self.out_features // self.groups
-            if rows % 32:
-                raise ValueError(f"QuantLinear: {self.groups} groups of {rows} rows do not align with 32x32 tiles")
-            self.marlin = [marlin_mxfp8(self.weight.data[g * rows:(g + 1) * rows],
-                                        self.scale.data[g * rows // 32:(g + 1) * rows // 32])
-                           for g in range(self.groups)]
-            if self.groups > 1:
-                self.marlin_all = marlin_mxfp8(self.weight.data, self.scale.data)
-        del self.weight, self.scale  # the bf16 copy and / or the repacks replace them
+            del self.weight, self.scale
+            return
+        rows = self.out_features // self.groups
+        if rows % 32:
+            raise ValueError(f"QuantLinear: {self.groups} groups of {rows} rows do not align with 32x32 tiles")
+        self.marlin = [marlin_mxfp8(self.weight.data[g * rows:(g + 1) * rows],
+                                    self.scale.data[g * rows // 32:(g + 1) * rows // 32])
+                       for g in range(self.groups)]
+        if self.groups > 1:
+            self.marlin_all = marlin_mxfp8(self.weight.data, self.scale.data)
+        del self.weight, self.scale  # the repacked copies replace them
 
     def retire(self) -> None:
         """Its rows now live in a :func:`concat_rows` layer: free them (``finalize`` then does nothing)."""
@@ -292,9 +271,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
         G = self.groups
-        T = x.shape[0]
-        if self.w16 is not None and (self.marlin is None or T > self.marlin_max_rows
-                                     or (G > 1 and T * G > self.ALL_PAIRS_MAX_ROWS)):
+        if self.w16 is not None:
             xb = x.to(self.w16.dtype)
             if G == 1:
                 return torch.nn.functional.linear(xb, self.w16).to(x.dtype)
@@ -303,7 +280,7 @@ class QuantLinear(nn.Module):
             xb = x.to(FAST_GEMM_DTYPE)
             if G == 1:
                 return self._marlin_gemm(xb, 0).to(x.dtype)
-            if T * G <= self.ALL_PAIRS_MAX_ROWS:
+            if x.shape[0] * G <= self.ALL_PAIRS_MAX_ROWS:
                 return grouped_by_all_pairs(lambda a: self._marlin_gemm(a, None), xb).to(x.dtype)
             return torch.stack([self._marlin_gemm(xb[:, g].contiguous(), g) for g in range(G)], 1).to(x.dtype)
         w = self.dequantized().to(x.dtype)

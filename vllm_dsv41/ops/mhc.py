@@ -51,9 +51,11 @@ Kernel design (CUDA, Triton):
   (h, then the normalised value): at most one extra bf16 ulp against the reference.
 * ``_mhc_post_kernel`` (grid: token blocks x H blocks) is a plain streaming kernel: read S and y once,
   write S_new once.
-* Checked without a GPU: every default tile of ``_pre_config`` builds for sm_90 (Triton 3.9, ptxas)
-  with 64-174 registers and no spills; the interpreter tests run all kernels on CPU tensors.  Its dot
-  cannot take bf16 operands, hence the BF16_MMA flag (off only under TRITON_INTERPRET=1).
+* Launch tiles (``_pre_config``) are chosen by measured kernel time, not by register counts: built for sm_90
+  with Triton 3.9's ptxas, the 64-token non-fused tiles with bf16 streams keep everything in registers, while
+  the model's fp32 streams and the fused 16-token tiles spill 80-1,128 bytes per thread (the previous tiles
+  spilled too with fp32 streams); the interpreter tests run all kernels on CPU tensors.  Its dot cannot take
+  bf16 operands, hence the BF16_MMA flag (off only under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ def _mhc_pre_kernel(
     stride_ps, stride_pt, stride_pn,
     C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, F32_DOT: tl.constexpr,
+    FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -210,7 +212,7 @@ def _mhc_pre_kernel(
                     acc = tl.dot(s_j.to(tl.float32), f_hi.to(tl.float32), acc, input_precision="ieee")
                     acc = tl.dot(s_j.to(tl.float32), f_lo.to(tl.float32), acc, input_precision="ieee")
             else:
-                acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision=F32_DOT)
+                acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision="tf32x3")
             s_j = s_j.to(tl.float32)
             ssq_v += tl.sum(s_j * s_j, axis=1)
             pp_j = tl.sum(tl.where(offs_c[None, :] == j, pp, 0.0), axis=1)                # [BLOCK_T]
@@ -371,10 +373,10 @@ def _pre_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
     wants 64); 64-wide H chunks up to 16 tokens (half the splits of narrower chunks, so the epilogue sums
     half the partials), 16-wide above (register pressure of the fp32 stream tile and of the fused post-mix);
     4 warps.  The split count makes token blocks x splits about two programs per SM, so that at small T the
-    programs share the read of fn.  Chosen from CUPTI kernel times on an H200 with fp32 streams
-    (docs/benchmarks.md, session 8, ``benchmarks/ops/kernel_times.py --only mhc``): against the previous
-    8-warp 32-wide tiles, ``mhc_pre`` 32.4 -> 16.2 µs and ``mhc_post_pre`` 47.6 -> 33.4 µs at T = 64,
-    ``mhc_post_pre`` 1,306 -> 742 µs at T = 4096.
+    programs share the read of fn.  Chosen from CUPTI kernel times on an H200 with fp32 streams under the
+    Triton that vLLM 0.32 ships (docs/benchmarks.md, session 8, ``benchmarks/ops/kernel_times.py --only
+    mhc``): against the previous tiles (8 warps from 64 tokens), ``mhc_pre`` 38.8 -> 19.3 µs and
+    ``mhc_post_pre`` 53.1 -> 35.2 µs at T = 64, 662 -> 380 and 1,257 -> 698 µs at T = 4096.
     """
     block_t = 16 if T <= 64 else 64
     block_h = 64 if T <= 16 else 16
@@ -435,7 +437,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         *stream.stride(), *src_strides, *fn.stride(), *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(),
-        F32_DOT=cfg.get("f32_dot", "tf32x3"), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
     ep_t, ep_h = 8, 512
