@@ -176,6 +176,12 @@ class DSV41Config:
         )
 
     @property
+    def topk_fill_context(self) -> int:
+        """Context from which every row's compressed top-k list is full: the largest compression ratio x
+        ``index_topk`` (below it, the lists end in -1; ``sparse_attn``'s ``skip_empty`` hint uses it)."""
+        return max(self.compress_ratios[:self.n_layers], default=0) * self.index_topk
+
+    @property
     def fp8_block(self) -> int:
         wbs = self.quant.get("weight_block_size") or [32, 32]
         return int(wbs[0])

@@ -133,7 +133,7 @@ def section_dense(tokens: list[int], iters: int) -> None:
 
 def short_prompt_case(bsa, T: int) -> dict:
     """A prompt's prefill from position 0: windows and compressed lists fill up along it (-1 padded, as the
-    model lists them), the case where ``sparse_attn`` skips the tiles of -1."""
+    model lists them), the case where ``sparse_attn``'s ``skip_empty`` pays."""
     c = bsa.prefill_case(T, T, start=0)
     c["swa_slots"] = torch.where(c["swa_slots"] >= 0, c["swa_slots"], -1)
     n_vis = (c["positions"] + 1) // 2
@@ -150,20 +150,23 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
     print("\nsparse_attn: Hq=64 D=512 W=128 K=512, bf16 q; MB = each distinct record once + q + out")
     cases = [(f"decode T={t}", bsa.decode_case(t, t)) for t in tokens]
     cases += [(f"prefill T={t}", bsa.prefill_case(t, t)) for t in prefill]
-    cases += [("prompt 0..1023", short_prompt_case(bsa, 1024))]
+    cases += [("prompt 0..1023", short_prompt_case(bsa, 1024)), ("prompt 0..4095", short_prompt_case(bsa, 4096))]
     for name, c in cases:
         T = c["q"].shape[0]
         _, ubytes = bsa.moved_bytes(c)
-        variants = [("default", None, None)]
-        cfgs = [] if "prompt" in name else [(64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 1), (32, 64, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)]
-        variants += [(f"{bh}/{bn}/{nw}/{ns}", dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns), None)
-                     for bh, bn, nw, ns in cfgs]
+        variants = [("default", None, None, False)]
+        if T >= 256:
+            variants.append(("default skip_empty", None, None, True))
+        if "prompt" not in name:
+            cfgs = [(64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 1), (32, 64, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)]
+            variants += [(f"{bh}/{bn}/{nw}/{ns}", dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns), None, False)
+                         for bh, bn, nw, ns in cfgs]
         if T <= 64:
-            variants += [(f"default splits={s}", None, s) for s in (1, 2, 4, 8) if T * s <= 256]
-        for vname, cfg, splits in variants:
+            variants += [(f"default splits={s}", None, s, False) for s in (1, 2, 4, 8) if T * s <= 256]
+        for vname, cfg, splits, skip in variants:
             try:
-                total, per = kernel_us(lambda: sa._sparse_attn_triton(*bsa._args(c), num_splits=splits, config=cfg),
-                                       iters)
+                total, per = kernel_us(lambda: sa._sparse_attn_triton(*bsa._args(c), skip, num_splits=splits,
+                                                                       config=cfg), iters)
                 report(f"{name} {vname}", ubytes, total, per)
             except Exception as exc:
                 print(f"{name} {vname}: {type(exc).__name__}: {str(exc)[:120]}")

@@ -5,6 +5,7 @@
 #   scripts/gpu/session.sh tests           # tiny model vs CPU reference, weight layers, small model (pytest -m gpu)
 #   scripts/gpu/session.sh profile         # kernels of a bench decode step (graphs, eager) and a 16k prefill
 #   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block), swa_insert, rope, paged_rows
+#   scripts/gpu/session.sh kernels         # CUPTI kernel time per call: MoE, dense GEMMs, sparse_attn, mHC
 #   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merge: side_by_side.py table plugin.json builtin.json)
 #   scripts/gpu/session.sh sbs stress      # our plugin's no-crash sweep (batch 1..64, prompts up to 64k)
@@ -34,6 +35,9 @@ case "${1:-}" in
     timeout 100 python3 benchmarks/ops/bench_swa_insert.py > "$OUT/bench-swa-insert.log" 2>&1
     timeout 100 python3 benchmarks/ops/bench_rope_paged_rows.py > "$OUT/bench-rope-paged-rows.log" 2>&1
     cat "$OUT"/bench-*.log | cut -c1-200 | tail -120 ;;
+  kernels)
+    (cd benchmarks/ops && timeout 560 python3 kernel_times.py --only dense moe sparse_attn mhc) > "$OUT/kernel-times.log" 2>&1
+    grep -vE "^(USDT|  )|Warning" "$OUT/kernel-times.log" | cut -c1-160 | tail -150 ;;
   sbs)
     impl=${2:?builtin, plugin or stress}
     # the throughput targets compare the two stacks (one call each: a call may last 10 minutes); the
@@ -50,5 +54,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac

@@ -9,9 +9,10 @@ lookback ids would be wrong).  GPU arithmetic differs from the CPU reference in 
 transcendental functions; such differences can move a value across a decision point of a quantised cache
 record (MXFP8 SWA, NVFP4 compressed KV, MXFP4 index K) and a near-tie between two tokens can then flip.
 So the test asserts (1) at the first step, where the engine and the reference see identical inputs, the
-|logit difference| over the whole vocabulary is small for the typical prompt (median) and bounded for
-every prompt (on CPU a single fp32 ulp of attention noise already moved one prompt's logits by 0.57
-through flipped records), and (2) the first tokens are equal, a divergence being tolerated only where the
+|logit difference| over the whole vocabulary is small for the typical prompt (median), and every prompt above
+that tolerance is explained by one near-tie decision of the reference: flipped, it reproduces the engine's
+logits (tests/near_ties.py; the 40-token prompt's 1.86 on the H200 is an SWA element of layer 1 three ulp
+above an E4M3 midpoint), and (2) the first tokens are equal, a divergence being tolerated only where the
 reference's own margin is within that prompt's step-0 noise.
 Every prompt prints one line: equal, or the first divergent step with both tokens and the logit gap.
 """
@@ -30,7 +31,6 @@ pytestmark = [
 MAX_TOKENS = 8
 STRICT_TOKENS = 4  # tokens that must be equal (barring a near-tie)
 STEP0_TOL = 5e-2  # typical (median) step-0 |logit difference| allowed (the CPU engine is at ~6e-3)
-STEP0_MAX = 1.0  # any prompt: on CPU an fp32 ulp of attention noise already gave 0.57 through flipped records
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,9 @@ def _logit_rows(out, vocab: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("ops", ["auto", "0"], ids=["ops", "torch-on-cuda"])
 def test_tiny_cuda_matches_reference(tiny_ckpt, tiny_model, prompts, ops, monkeypatch):
     outs = _serve(tiny_ckpt, prompts, ops, monkeypatch)
-    step0, failures = [], []
+    from tests.near_ties import explain
+
+    step0, failures, unexplained = [], [], []
     for p, o in zip(prompts, outs):
         ref_tokens, ref_logits = tiny_model.generate(p, MAX_TOKENS)
         vocab = ref_logits[0].numel()
@@ -83,6 +85,13 @@ def test_tiny_cuda_matches_reference(tiny_ckpt, tiny_model, prompts, ops, monkey
         rows = _logit_rows(o, vocab)
         d0 = (rows[0] - ref_logits[0]).abs().max().item()
         step0.append(d0)
+        if d0 >= STEP0_TOL:
+            flip = explain(tiny_model, p, rows[0], STEP0_TOL)
+            print(f"[{ops}] prompt {len(p):3d} tok: step-0 max|dlogit| {d0:.2e} "
+                  + (f"reproduced by the reference with its near-tie {flip} flipped" if flip else
+                     "NOT reproduced by flipping any near-tie of the reference"))
+            if flip is None:
+                unexplained.append((len(p), d0))
         k = next((i for i, (a, b) in enumerate(zip(got, ref_tokens)) if a != b), None)
         if k is None and len(got) == len(ref_tokens):
             print(f"[{ops}] prompt {len(p):3d} tok: equal ({len(got)} tokens), step-0 max|dlogit| {d0:.2e}")
@@ -104,5 +113,5 @@ def test_tiny_cuda_matches_reference(tiny_ckpt, tiny_model, prompts, ops, monkey
     print(f"[{ops}] step-0 max|logit difference| over {len(prompts)} prompts: largest {max(step0):.3e}, "
           f"median {med:.3e}")
     assert med < STEP0_TOL, f"median step-0 logit difference {med:.3e}"
-    assert max(step0) < STEP0_MAX, f"step-0 logits differ by {max(step0):.3e}"
+    assert not unexplained, f"(prompt length, step-0 difference) that no near-tie flip explains: {unexplained}"
     assert not failures, f"(prompt length, step, reference margin) of divergences that are no near-tie: {failures}"

@@ -237,6 +237,10 @@ _INTERP_CASES = [
      dict(BLOCK_H=16, BLOCK_N=32), 2, True),
     ("bf16-strided-q", dict(T=3, Hq=6, D=64, R=16, W=9, K=17, seed=17, dtype=torch.bfloat16, strided=True),
      dict(BLOCK_H=16, BLOCK_N=16), 1, False),
+    # skip_empty (asked for at prefill sizes) on small cases: rows whose lists hold whole tiles of -1
+    ("skip-empty-row-s1", dict(odd=True, empty_row=True, skip=True), dict(BLOCK_H=16, BLOCK_N=16), 1, False),
+    ("skip-mixed-s2", dict(T=3, Hq=4, D=64, R=16, W=40, K=70, seed=15, skip=True), dict(BLOCK_H=16, BLOCK_N=16), 2,
+     True),
     ("real-T1-fp32-auto", dict(T=1, Hq=64, D=512, R=64, W=128, K=512, seed=18, swa_pool=512, comp_pool=2048,
                                holes=0.02), dict(BLOCK_H=64, BLOCK_N=32), None, True),
 ]
@@ -249,6 +253,7 @@ def _interpreter_main() -> int:
     for name, kw, cfg, splits, hw in _INTERP_CASES:
         kw = dict(kw)
         strided = kw.pop("strided", False)
+        skip = kw.pop("skip", False)
         c = odd_case(kw.get("dtype", torch.float32), empty_row=kw.get("empty_row", False)) \
             if kw.pop("odd", False) else random_case(**kw)
         if strided:  # q as a view with odd strides (no paired 32-bit access)
@@ -256,11 +261,15 @@ def _interpreter_main() -> int:
             c["q"] = torch.cat((c["q"], c["q"][..., :1]), -1)[..., :D]
             assert c["q"].stride(1) % 2
         t0 = time.perf_counter()
-        got = sa._sparse_attn_triton(*_args(c), num_splits=splits, config=dict(cfg, num_warps=4), hw_fp8=hw)
+        got = sa._sparse_attn_triton(*_args(c), skip, num_splits=splits, config=dict(cfg, num_warps=4), hw_fp8=hw)
         dt = time.perf_counter() - t0
         ref = sa.sparse_attn_ref(*_args(c))
         fp32 = c["q"].dtype == torch.float32
         try:
+            if skip:  # a skipped tile of -1 would have added exact zeros: the same bits as the full walk
+                full = sa._sparse_attn_triton(*_args(c), False, num_splits=splits, config=dict(cfg, num_warps=4),
+                                              hw_fp8=hw)
+                assert torch.equal(got, full), "skip_empty changed the result"
             assert got.dtype == ref.dtype and got.shape == ref.shape
             assert_close(name, ref, got, ratio=2e-6 if fp32 else 1e-2)
             if fp32:
@@ -417,7 +426,7 @@ def _sm90_sparse_attn(dtype: torch.dtype, cfg: dict) -> dict:
     consts = {"D": 512, "R": 64, "BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "HAS_COMP": True, "HW_FP8": True,
               "DOT_PREC": "tf32" if dtype == torch.bfloat16 else "ieee", "P_BF16": dtype == torch.bfloat16,
               "DOT_F32": dtype == torch.float32, "SWA_ALIGNED": True, "COMP_ALIGNED": True,
-              "PAIR_IO": dtype == torch.bfloat16}
+              "PAIR_IO": dtype == torch.bfloat16, "SKIP_EMPTY": False}
     kernel = sa._sparse_attn_kernel
     sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
     return sm90_build(kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
@@ -443,3 +452,19 @@ def test_default_config_fits_sm90_shared_memory(T, dtype):
     assert fits, "no config of the step-down list fits"
     if dtype == torch.bfloat16:
         assert len(tried) == 1, "the pinned bf16 config itself must fit"
+
+
+def test_skip_empty_pays_only_for_short_prefills():
+    """The hint is asked for from SKIP_EMPTY_MIN_ROWS rows while the largest position stays below twice the
+    context at which the top-k lists fill (the bench config: 2 x 2 x 512); never for decode-sized steps."""
+    from vllm_dsv41.config import parse_config
+    from vllm_dsv41.presets import BENCH, QUANTIZATION_CONFIG
+
+    text = dict(BENCH, vocab_size=129280, engram_layer_ids=[])
+    fill = parse_config({"text_config": text, "quantization_config": QUANTIZATION_CONFIG}).topk_fill_context
+    assert fill == 1024
+    rows = sa.SKIP_EMPTY_MIN_ROWS
+    assert sa.skip_empty_pays(rows, 2 * fill - 1, fill)
+    assert not sa.skip_empty_pays(rows, 2 * fill, fill)
+    assert not sa.skip_empty_pays(rows - 1, 0, fill)
+    assert not sa.skip_empty_pays(rows, -1, fill)  # an empty step

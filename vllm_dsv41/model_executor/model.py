@@ -44,6 +44,7 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
                                               on_fast_device)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
+from vllm_dsv41.ops.sparse_attn import skip_empty_pays
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, clamped_swiglu_act, hc_coefficients,
                                         hc_collapse, hc_post,
@@ -382,9 +383,12 @@ class Attention(nn.Module):
                 lambda: step.group(src.comp_cache.prefix).slots_of(
                     req, step.scratch[("topk_ids", plan.index_source)], src.comp_cache.flat_rows()[1:]))
             comp_cache = src.comp_cache.flat_rows()[0]
+        # prefill rows of short contexts: the kernel skips their key tiles of -1 (not inside a captured step,
+        # whose launch is replayed for any context)
+        skip = not in_static_step() and skip_empty_pays(q.shape[0], step.max_position, cfg.topk_fill_context)
         return _ops().sparse_attn(q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors),
                                   comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
-                                  self.inv_freq)
+                                  self.inv_freq, skip)
 
     def _rope(self, step: Step, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``apply_rope`` (``dsv41::rope`` on the ops path); on the plain path over the step's own positions
