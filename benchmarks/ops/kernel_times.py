@@ -57,7 +57,7 @@ def section_moe(tokens: list[int], iters: int) -> None:
     w2 = torch.randint(0, 256, (E, H, I // 2), generator=g, device="cuda", dtype=torch.uint8)
     s2 = torch.randint(118, 124, (E, H, I // 32), generator=g, device="cuda", dtype=torch.uint8)
     per_expert = 3 * H * I // 2 + 3 * H * I // 32
-    base_cfg = mm.launch_config
+    base_cfg, base_small = mm.launch_config, mm.SMALL_BLOCK_M
     print(f"\nmoe_mxfp4 (Triton): E={E} top-{K} H={H} I={I}; MB = the weights of the experts hit, read once")
     for T in tokens:
         x = (torch.randn(T, H, generator=g, device="cuda") * 0.5).bfloat16()
@@ -78,7 +78,7 @@ def section_moe(tokens: list[int], iters: int) -> None:
             except Exception as exc:  # a tile that does not fit
                 print(f"moe T={T} {name}: {type(exc).__name__}: {str(exc)[:120]}")
             finally:
-                mm.launch_config, mm.SMALL_BLOCK_M = base_cfg, 16
+                mm.launch_config, mm.SMALL_BLOCK_M = base_cfg, base_small
 
 
 def section_dense(tokens: list[int], iters: int) -> None:
@@ -159,8 +159,8 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
             variants.append(("default skip_empty", None, None, True))
         if "prompt" not in name:
             cfgs = [(64, 32, 8, 2), (64, 32, 8, 1), (64, 16, 8, 1), (32, 64, 8, 2), (16, 64, 8, 2), (16, 32, 4, 2)]
-            variants += [(f"{bh}/{bn}/{nw}/{ns}", dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns), None, False)
-                         for bh, bn, nw, ns in cfgs]
+            variants += [(f"{bh}/{bn}/{nw}/{ns}", dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns),
+                          None, False) for bh, bn, nw, ns in cfgs]
         if T <= 64:
             variants += [(f"default splits={s}", None, s, False) for s in (1, 2, 4, 8) if T * s <= 256]
         for vname, cfg, splits, skip in variants:
@@ -176,6 +176,7 @@ def section_mhc(tokens: list[int], iters: int) -> None:
     import bench_mhc as bm
 
     from vllm_dsv41.ops import mhc
+    from vllm_dsv41.ops._triton import sm_count
 
     print("\nmhc with fp32 streams (C=4, H=5120); MB = every input read once, every output written once")
     for op in ("pre", "post_pre"):
@@ -187,7 +188,7 @@ def section_mhc(tokens: list[int], iters: int) -> None:
             variants = [("default", None)]
             for bt, bh, nw in ((16, 16, 4), (16, 64, 4), (64, 16, 4), (64, 16, 8), (64, 32, 8)):
                 if (bt, bh, nw) != (d["block_t"], d["block_h"], d["num_warps"]) and (bt == 16 or T > 16):
-                    split = max(1, min(2 * 132 // -(-T // bt), -(-bm.H // bh)))
+                    split = max(1, min(2 * sm_count(torch.device("cuda")) // -(-T // bt), -(-bm.H // bh)))
                     variants.append((f"bt{bt} bh{bh} w{nw}", dict(block_t=bt, block_h=bh, num_warps=nw, split=split)))
             for vname, cfg in variants:
                 try:

@@ -381,7 +381,8 @@ if triton is not None:
         hi = lo + keys_per_split
         offs_n = tl.arange(0, BLOCK_N)
 
-        # SWA entries: virtual keys [0, W)
+        # SWA entries: virtual keys [0, W).  SKIP_EMPTY is a constexpr so that without it the key loops hold
+        # no branch (the test in the loop costs 17% on full rows, docs/benchmarks.md session 8)
         for n0 in range(tl.minimum(lo, W), tl.minimum(hi, W), BLOCK_N):
             n = n0 + offs_n
             slots = tl.load(swa_slot_ptr + t * stride_sst + n, mask=n < W, other=-1)
@@ -595,8 +596,8 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
             Hq, W, K, W_pad, keys_per_split, S,
             q.stride(0), q.stride(1), swa_cache.stride(0), swa16.stride(0), swa_slots.stride(0),
             comp_cache.stride(0), comp_slots.stride(0), out.stride(0), out.stride(1))
-    flags = dict(D=D, R=R, HAS_COMP=has_comp, HW_FP8=bool(hw_fp8), DOT_PREC=dot_prec, P_BF16=q.dtype == torch.bfloat16,
-                 DOT_F32=dot_f32, SKIP_EMPTY=bool(skip_empty),
+    flags = dict(D=D, R=R, HAS_COMP=has_comp, HW_FP8=bool(hw_fp8), DOT_PREC=dot_prec,
+                 P_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, SKIP_EMPTY=bool(skip_empty),
                  SWA_ALIGNED=_rows_aligned(swa_cache), COMP_ALIGNED=_rows_aligned(comp_cache), PAIR_IO=pair_io)
     if config is None and os.environ.get(AUTOTUNE_ENV, "0") != "1":
         config = default_config(T, Hq)
