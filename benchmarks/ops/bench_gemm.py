@@ -61,15 +61,32 @@ def reblock_128(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def random_fp8_linear(N: int, K: int, groups: int = 1) -> QuantLinear:
+    """A CUDA QuantLinear holding random FP8 weights with their 32x32 UE8M0 tiles (not yet finalized)."""
+    lin = QuantLinear(N, K, quant=True, groups=groups).cuda()
+    w8, s = formats.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.05, 32)
+    lin.weight.data.copy_(w8)
+    lin.scale.data.copy_(formats.as_uint8(s))
+    return lin
+
+
+def random_experts() -> torch.nn.ModuleList:
+    """E routed experts (H x I) holding random MXFP4 weights, on CUDA."""
+    experts = torch.nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
+    for ex in experts:
+        for name, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
+            packed, scale = formats.quant_mxfp4(torch.randn(*shape, device="cuda") * 0.05)
+            getattr(ex, name).weight.data.copy_(packed.view(torch.int8))
+            getattr(ex, name).scale.data.copy_(formats.as_uint8(scale))
+    return experts
+
+
 def dense_rows(M: int, N: int, K: int) -> list[tuple[str, float, float]]:
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils.fp8_utils import (per_token_group_quant_fp8,
                                                                          w8a8_triton_block_scaled_mm)
 
-    lin = QuantLinear(N, K, quant=True).cuda()
-    w8, s = formats.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.05, 32)
-    lin.weight.data.copy_(w8)
-    lin.scale.data.copy_(formats.as_uint8(s))
+    lin = random_fp8_linear(N, K)
     w = lin.dequantized().float()
     lin.finalize()
     x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
@@ -99,10 +116,7 @@ def dense_rows(M: int, N: int, K: int) -> list[tuple[str, float, float]]:
 def grouped_rows(T: int, G: int = 8, O: int = 1024, K: int = 4096) -> list[tuple[str, float, float]]:
     """The grouped wo_a: one Marlin GEMM per group, one over all rows + diagonal (``grouped_by_all_pairs``),
     and a bf16 batched GEMM on dequantised weights."""
-    lin = QuantLinear(G * O, K, quant=True, groups=G).cuda()
-    w8, s = formats.quant_fp8_block(torch.randn(G * O, K, device="cuda") * 0.05, 32)
-    lin.weight.data.copy_(w8)
-    lin.scale.data.copy_(formats.as_uint8(s))
+    lin = random_fp8_linear(G * O, K, groups=G)
     w = lin.dequantized().float().view(G, O, K)
     lin.finalize()
     x = torch.randn(T, G, K, device="cuda").to(torch.bfloat16)
@@ -160,12 +174,7 @@ def main() -> int:
             print(f"{T:>6} {name:>10} {us:9.1f} {err:8.1e}")
     if args.no_moe:
         return 0
-    experts = torch.nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
-    for ex in experts:
-        for name, shape in (("w1", (I, H)), ("w3", (I, H)), ("w2", (H, I))):
-            packed, scale = formats.quant_mxfp4(torch.randn(*shape, device="cuda") * 0.05)
-            getattr(ex, name).weight.data.copy_(packed.view(torch.int8))
-            getattr(ex, name).scale.data.copy_(formats.as_uint8(scale))
+    experts = random_experts()
     marlin_stack, mx_stack = marlin_expert_stack(experts), mxfp4_expert_stack(experts)
     del experts
     per_expert = 3 * H * I // 2  # MXFP4 bytes (scales aside)

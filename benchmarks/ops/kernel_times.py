@@ -17,6 +17,7 @@ model's dtype).  Image torch + Triton suffice for all but ``dense``.  Not collec
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 from collections import defaultdict
@@ -86,42 +87,35 @@ def section_dense(tokens: list[int], iters: int) -> None:
     Each path cycles through copies of its weights (>= 256 MB) so that they come from HBM, as in a step."""
     import bench_gemm as bg
 
-    from vllm_dsv41 import formats
     from vllm_dsv41.model_executor import linear
 
     print("\ndense FP8 GEMMs: Marlin W8A16 (FP8 bytes) vs bf16 cuBLAS; MB = the weight bytes of the path")
+    env = os.environ.get(linear.DENSE_GEMM_ENV)
     for label, N, K in bg.SHAPES:
         copies = max(2, -(-256 * 2 ** 20 // (2 * N * K)))
         marlin, w16 = [], []
         os.environ[linear.DENSE_GEMM_ENV] = "marlin"
         for _ in range(copies):
-            lin = linear.QuantLinear(N, K, quant=True).cuda()
-            w8, sc = formats.quant_fp8_block(torch.randn(N, K, device="cuda") * 0.05, 32)
-            lin.weight.data.copy_(w8)
-            lin.scale.data.copy_(formats.as_uint8(sc))
+            lin = bg.random_fp8_linear(N, K)
             w16.append(lin.dequantized().to(torch.bfloat16))
             lin.finalize()
             marlin.append(lin)
-        os.environ.pop(linear.DENSE_GEMM_ENV)
         for M in tokens:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             for name, mats, call, nbytes in (
                     ("marlin", marlin, lambda m: m(x), N * K),
                     ("bf16", w16, lambda w: torch.nn.functional.linear(x, w), 2 * N * K)):
-                it = iter(range(10 ** 9))
-                total, per = kernel_us(lambda: call(mats[next(it) % copies]), iters)
+                cycle = itertools.cycle(mats)
+                total, per = kernel_us(lambda: call(next(cycle)), iters)
                 report(f"{label} {N}x{K} M={M} {name}", nbytes, total, per)
         del marlin, w16
         torch.cuda.empty_cache()
+    if env is None:
+        os.environ.pop(linear.DENSE_GEMM_ENV)
+    else:
+        os.environ[linear.DENSE_GEMM_ENV] = env
 
-    experts = torch.nn.ModuleList(linear.Expert(bg.H, bg.I, quant=True) for _ in range(bg.E)).cuda()
-    for ex in experts:
-        for name, shape in (("w1", (bg.I, bg.H)), ("w3", (bg.I, bg.H)), ("w2", (bg.H, bg.I))):
-            packed, sc = formats.quant_mxfp4(torch.randn(*shape, device="cuda") * 0.05)
-            getattr(ex, name).weight.data.copy_(packed.view(torch.int8))
-            getattr(ex, name).scale.data.copy_(formats.as_uint8(sc))
-    stack = linear.marlin_expert_stack(experts)
-    del experts
+    stack = linear.marlin_expert_stack(bg.random_experts())
     per_expert = 3 * bg.H * bg.I // 2
     print(f"\nMarlin MXFP4 MoE (fused_marlin_moe): E={bg.E} top-{bg.TOPK}; MB = experts hit x their MXFP4 bytes")
     for T in tokens:
