@@ -246,10 +246,57 @@ _INTERP_CASES = [
 ]
 
 
+def _key_decode_check() -> None:
+    """Both key decoders against ``formats`` on every byte: NVFP4 records holding all 256 E2M1 pairs (both
+    the hardware-E4M3 path and the bit-by-bit one) and MXFP8 records holding all 256 E4M3 codes, under
+    scales from tiny to large; the halves must equal the reference's even / odd elements bit for bit."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def decode(comp_ptr, swa8_ptr, swa16_ptr, ce_ptr, co_ptr, se_ptr, so_ptr, row_c, row_s8, row_s16,
+               D: tl.constexpr, N: tl.constexpr, HW_FP8: tl.constexpr):
+        n = tl.arange(0, N)
+        j = tl.arange(0, D // 2)
+        valid = n >= 0
+        k_e, k_o = sa._nvfp4_keys(comp_ptr, row_c, n.to(tl.int64), valid, D, N, HW_FP8, False)
+        tl.store(ce_ptr + n[:, None] * (D // 2) + j[None, :], k_e)
+        tl.store(co_ptr + n[:, None] * (D // 2) + j[None, :], k_o)
+        k_e, k_o = sa._mxfp8_keys(swa8_ptr, swa16_ptr, row_s8, row_s16, n.to(tl.int64), valid, D, N, HW_FP8, False)
+        tl.store(se_ptr + n[:, None] * (D // 2) + j[None, :], k_e)
+        tl.store(so_ptr + n[:, None] * (D // 2) + j[None, :], k_o)
+
+    D, N = 512, 16
+    comp = torch.zeros(N, formats.nvfp4_record_bytes(D), dtype=torch.uint8)
+    comp[:, :D // 2] = torch.arange(256, dtype=torch.uint8).repeat(N, 1)       # every (even, odd) code pair
+    comp[:, D // 2:] = torch.randint(0, 127, (N, D // 16), dtype=torch.uint8)  # positive E4M3 scales (0x7f: NaN)
+    comp[:, D // 2] = torch.arange(N, dtype=torch.uint8)                       # subnormal scales too
+    swa = torch.zeros(N, formats.mxfp8_record_bytes(D), dtype=torch.uint8)
+    codes = torch.arange(256, dtype=torch.int32)
+    codes = codes[(codes & 127) != 127]                                          # E4M3 NaN codes are never written
+    swa[:, :D] = codes.repeat(3)[:D].to(torch.uint8).repeat(N, 1).roll(7, 1)
+    swa[:, D:] = torch.randint(100, 150, (N, D // 32), dtype=torch.uint8)
+    want_c = formats.decode_nvfp4_record(comp, D)
+    want_s = formats.decode_mxfp8_record(swa, D)
+    for hw in (True, False):
+        out = [torch.empty(N, D // 2) for _ in range(4)]
+        decode[(1,)](comp, swa, swa.view(torch.int16), *out, comp.stride(0), swa.stride(0), swa.stride(0) // 2,
+                     D=D, N=N, HW_FP8=hw)
+        for got, want, what in ((out[0], want_c[:, 0::2], "nvfp4 even"), (out[1], want_c[:, 1::2], "nvfp4 odd"),
+                                (out[2], want_s[:, 0::2], "mxfp8 even"), (out[3], want_s[:, 1::2], "mxfp8 odd")):
+            assert torch.equal(got, want), f"{what} keys (hw_fp8={hw}) differ from formats' decode"
+
+
 def _interpreter_main() -> int:
     """Run every interpreter case; one line each; exit status 1 on any failure."""
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
     failed = 0
+    try:
+        _key_decode_check()
+        print("  ok key decode (every NVFP4 pair and E4M3 code, both paths)")
+    except AssertionError as e:
+        failed += 1
+        print(f"FAIL key decode: {e}")
     for name, kw, cfg, splits, hw in _INTERP_CASES:
         kw = dict(kw)
         strided = kw.pop("strided", False)
