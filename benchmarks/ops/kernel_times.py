@@ -10,7 +10,7 @@ graph replay of the op would take, minus the gaps between kernels.  One line per
 kernels named and the bytes an ideal kernel moves.  Sections: ``moe`` (``dsv41::moe_mxfp4``, Triton, E 32,
 top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16 against bf16 cuBLAS at the bench
 shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``sparse_attn`` (decode and prefill cases of
-bench_sparse_attn.py, launch configs) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
+bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
 model's dtype).  Image torch + Triton suffice for all but ``dense``.  Not collected by pytest.
 """
 
@@ -148,7 +148,7 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
     for name, c in cases:
         T = c["q"].shape[0]
         _, ubytes = bsa.moved_bytes(c)
-        variants = [("default", None, None, False)]
+        variants = [("default", None, None, False), ("default int-decode", None, None, False)]
         if T >= 256:
             variants.append(("default skip_empty", None, None, True))
         if "prompt" not in name:
@@ -159,8 +159,10 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
             variants += [(f"default splits={s}", None, s, False) for s in (1, 2, 4, 8) if T * s <= 256]
         for vname, cfg, splits, skip in variants:
             try:
+                # int-decode: the records decoded bit by bit instead of the hardware E4M3 conversion
+                hw = None if "int-decode" not in vname else False
                 total, per = kernel_us(lambda: sa._sparse_attn_triton(*bsa._args(c), skip, num_splits=splits,
-                                                                       config=cfg), iters)
+                                                                       config=cfg, hw_fp8=hw), iters)
                 report(f"{name} {vname}", ubytes, total, per)
             except Exception as exc:
                 print(f"{name} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
@@ -192,6 +194,29 @@ def section_mhc(tokens: list[int], iters: int) -> None:
                     print(f"mhc_{op} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
 
 
+def section_router(tokens: list[int], iters: int) -> None:
+    import bench_router as br
+
+    from vllm_dsv41.ops import router
+
+    print("\nrouter with an fp32 x (the model's dtype), E 32 (bench) and 384 (full), top-6, H 5120; MB = x + weight")
+    br.X_DTYPE = torch.float32
+    for E in (32, 384):
+        for T in tokens:
+            x, w, b = br.make(T, E)
+            nbytes = x.numel() * 4 + w.numel() * 2
+            variants = [("default", {}, True), ("unfused epilogue", {}, False)]
+            variants += [(f"split_k={k}", dict(SPLIT_K=k), True) for k in (1, 2, 4, 8)]
+            variants += [(f"block_k={k} w{nw}", dict(BLOCK_K=k, num_warps=nw), True) for k, nw in ((64, 4), (256, 4), (128, 2), (128, 8))]
+            for vname, cfg, fuse in variants:
+                try:
+                    total, per = kernel_us(lambda: router._router_triton(x, w, b, 6, 1.5, fuse_epilogue=fuse,
+                                                                         config=cfg), iters)
+                    report(f"router E={E} T={T} {vname}", nbytes, total, per)
+                except Exception as exc:
+                    print(f"router E={E} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=["moe", "sparse_attn", "mhc"])
@@ -210,6 +235,8 @@ def main() -> int:
             section_dense(a.tokens, a.iters)
         elif name == "mhc":
             section_mhc(a.tokens + a.prefill, a.iters)
+        elif name == "router":
+            section_router(a.tokens, a.iters)
         else:
             raise SystemExit(f"unknown section {name!r}")
     return 0

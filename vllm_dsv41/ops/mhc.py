@@ -36,7 +36,8 @@ Kernel design (CUDA, Triton):
   rounded to S's dtype and goes on with the rounded values, so the fused op equals the composition.
   ``_mhc_post_kernel`` does the same arithmetic in the same order, so both give bitwise equal streams.
 * ``_mhc_pre_epilogue_kernel`` (grid: token blocks x (H blocks + 1)) adds the partials over the splits,
-  ``EPILOGUE_SPLITS`` at a time (one wide load and a tree sum per round, not one dependent load per split).
+  ``EPILOGUE_SPLITS`` at a time (one wide load per round into per-thread sums, and one tree sum across threads
+  after the last round: the sm_90 build of a tree sum per round had 10 barriers in each round).
   The last program column computes the sigmoids and the Sinkhorn for its tokens in registers
   ([BLOCK_T, C, C]); the others scale their slice of x by rsqrt(mean(h^2) + eps) * w in place.
 * Why two kernels: x needs mean(h^2) over all of H before any element can be written, while the
@@ -255,22 +256,26 @@ def _mhc_pre_epilogue_kernel(
 
     if pid_h == NHB:
         offs_c = tl.arange(0, C)
-        m_pre = tl.zeros([BLOCK_T, C], dtype=tl.float32)
-        m_post = tl.zeros([BLOCK_T, C], dtype=tl.float32)
-        m_comb = tl.zeros([BLOCK_T, C, C], dtype=tl.float32)
-        ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        a_pre = tl.zeros([BLOCK_S, BLOCK_T, C], dtype=tl.float32)
+        a_post = tl.zeros([BLOCK_S, BLOCK_T, C], dtype=tl.float32)
+        a_comb = tl.zeros([BLOCK_S, BLOCK_T, C, C], dtype=tl.float32)
+        a_ssq = tl.zeros([BLOCK_S, BLOCK_T], dtype=tl.float32)
         cols_comb = 2 * C + offs_c[None, :, None] * C + offs_c[None, None, :]           # [1, C, C]
-        for s0 in range(0, SPLIT, BLOCK_S):  # BLOCK_S splits per round: independent loads, one tree sum
+        # BLOCK_S splits per round, each thread adding its own lanes; the cross-thread sums (shared memory and
+        # barriers) come once, after the last round
+        for s0 in range(0, SPLIT, BLOCK_S):
             ss = s0 + offs_s
             r = row[None, :] + ss.to(tl.int64)[:, None] * stride_ps                          # [BLOCK_S, BLOCK_T]
             m2 = (ss < SPLIT)[:, None] & mask_t[None, :]
-            m_pre += tl.sum(tl.load(r[:, :, None] + offs_c[None, None, :] * stride_pn, mask=m2[:, :, None],
-                                    other=0.0), axis=0)
-            m_post += tl.sum(tl.load(r[:, :, None] + (C + offs_c)[None, None, :] * stride_pn, mask=m2[:, :, None],
-                                     other=0.0), axis=0)
-            m_comb += tl.sum(tl.load(r[:, :, None, None] + cols_comb[None] * stride_pn, mask=m2[:, :, None, None],
-                                     other=0.0), axis=0)
-            ssq += tl.sum(tl.load(r + NMIX * stride_pn, mask=m2, other=0.0), axis=0)
+            a_pre += tl.load(r[:, :, None] + offs_c[None, None, :] * stride_pn, mask=m2[:, :, None], other=0.0)
+            a_post += tl.load(r[:, :, None] + (C + offs_c)[None, None, :] * stride_pn, mask=m2[:, :, None],
+                              other=0.0)
+            a_comb += tl.load(r[:, :, None, None] + cols_comb[None] * stride_pn, mask=m2[:, :, None, None], other=0.0)
+            a_ssq += tl.load(r + NMIX * stride_pn, mask=m2, other=0.0)
+        m_pre = tl.sum(a_pre, axis=0)
+        m_post = tl.sum(a_post, axis=0)
+        m_comb = tl.sum(a_comb, axis=0)
+        ssq = tl.sum(a_ssq, axis=0)
         rv = tl.rsqrt(ssq * inv_ch + eps)
         scale_pre = tl.load(scale_ptr)
         scale_post = tl.load(scale_ptr + 1)
@@ -290,13 +295,13 @@ def _mhc_pre_epilogue_kernel(
         tl.store(comb_ptr + offs_t[:, None, None] * stride_ct + offs_c[None, :, None] * stride_ci
                  + offs_c[None, None, :] * stride_cj, a, mask=mask_t[:, None, None])
     else:
-        ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        a_ssq = tl.zeros([BLOCK_S, BLOCK_T], dtype=tl.float32)
         for s0 in range(0, SPLIT, BLOCK_S):
             ss = s0 + offs_s
             r = row[None, :] + ss.to(tl.int64)[:, None] * stride_ps
             m2 = (ss < SPLIT)[:, None] & mask_t[None, :]
-            ssq += tl.sum(tl.load(r + (NMIX + 1) * stride_pn, mask=m2, other=0.0), axis=0)
-        rx = tl.rsqrt(ssq * inv_h + eps)
+            a_ssq += tl.load(r + (NMIX + 1) * stride_pn, mask=m2, other=0.0)
+        rx = tl.rsqrt(tl.sum(a_ssq, axis=0) * inv_h + eps)
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
         mask = mask_t[:, None] & mask_h[None, :]

@@ -1,0 +1,185 @@
+"""Where a throughput workload's wall time goes, engine step by engine step.
+
+One engine (the side-by-side benchmark's settings: bench checkpoint, dummy weights, our plugin unless
+``VLLM_DSV41_DISABLE``), one untimed run of the workload's shape, then the timed run with hooks on the
+in-process engine core:
+
+* ``scheduler.schedule``: when a step is planned, its scheduled tokens and how many of them are prefill;
+* the model runner's ``execute_model`` / ``sample_tokens``: host time inside them, and CUDA events around
+  them (the GPU time between the step's first and last launch on the current stream);
+* ``scheduler.update_from_output``: when the step's output reached the host (the step's end as the
+  engine sees it).
+
+Per phase (steps that hold prefill tokens, pure decode steps) it prints the steps, the wall between step
+ends (the pace), the host time in the runner and the GPU time per step.  Under async scheduling a pace
+close to the host time says the host sets it; close to the GPU time, the GPU.  The rows go to
+``$OUT/timeline.json``.
+
+    PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/step_timeline.py /tmp/bench --batch 64 --prompt 1024 --out 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+
+
+def _runner(core):
+    """The GPU model runner behind an in-process engine core (uniproc executor)."""
+    worker = core.model_executor.driver_worker
+    worker = getattr(worker, "worker", worker)
+    return worker.model_runner
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per phase: steps, wall (sum of paces), mean pace / host / GPU ms, tokens."""
+    out = []
+    for phase in ("prefill", "decode"):
+        sel = [r for r in rows if r["phase"] == phase and r.get("pace_ms") is not None]
+        if not sel:
+            continue
+        gpu = [r["gpu_ms"] for r in sel if r.get("gpu_ms") is not None]
+        out.append(dict(
+            phase=phase, steps=len(sel), wall_s=sum(r["pace_ms"] for r in sel) / 1e3,
+            tokens=sum(r["tokens"] for r in sel),
+            pace_ms=statistics.mean(r["pace_ms"] for r in sel),
+            host_ms=statistics.mean(r["host_ms"] for r in sel),
+            gpu_ms=statistics.mean(gpu) if gpu else None,
+        ))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=1024)
+    ap.add_argument("--out", type=int, default=256)
+    ap.add_argument("--kv-bytes", type=int, default=16 << 30)
+    ap.add_argument("--max-model-len", type=int, default=66560)
+    args = ap.parse_args()
+    out_dir = os.environ.get("OUT", "/tmp")
+
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    cuda = torch.cuda.is_available()
+    extra = dict(kv_cache_memory_bytes=args.kv_bytes) if cuda else dict(dtype="float32")
+    t0 = time.perf_counter()
+    llm = LLM(model=args.model, load_format="dummy", seed=0, max_num_seqs=max(64, args.batch),
+              max_model_len=args.max_model_len, **extra)
+    print(f"engine start {time.perf_counter() - t0:.1f} s", flush=True)
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    core = llm.llm_engine.engine_core.engine_core
+    runner = _runner(core)
+    calls = iter(range(1 << 30))
+
+    def run() -> float:
+        g = torch.Generator().manual_seed(next(calls))
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(3, vocab - 64, (args.prompt,), generator=g).tolist())
+                   for _ in range(args.batch)]
+        t = time.perf_counter()
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.out, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    warm = run()
+    print(f"untimed run {warm:.2f} s", flush=True)
+
+    rows: list[dict] = []
+    pending: list[dict] = []  # planned steps whose output has not come back yet, oldest first
+    live = {"on": False}
+
+    def hook_schedule(fn):
+        @functools.wraps(fn)
+        def wrapped(*a, **kw):
+            so = fn(*a, **kw)
+            if live["on"] and so.total_num_scheduled_tokens:
+                new = sum(so.num_scheduled_tokens.get(r.req_id, 0) for r in so.scheduled_new_reqs)
+                decode = sum(1 for n in so.num_scheduled_tokens.values() if n == 1)
+                row = dict(t_plan=time.perf_counter(), tokens=so.total_num_scheduled_tokens,
+                           reqs=len(so.num_scheduled_tokens), decode_reqs=decode, new_req_tokens=new,
+                           host_ms=0.0, events=[])
+                row["phase"] = "decode" if decode == row["reqs"] else "prefill"
+                pending.append(row)
+                rows.append(row)
+            return so
+        return wrapped
+
+    def hook_runner(fn):
+        @functools.wraps(fn)
+        def wrapped(*a, **kw):
+            if not (live["on"] and pending):
+                return fn(*a, **kw)
+            row = pending[-1]
+            ev0 = ev1 = None
+            if cuda:
+                ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                ev0.record()
+            t = time.perf_counter()
+            res = fn(*a, **kw)
+            row["host_ms"] += (time.perf_counter() - t) * 1e3
+            if cuda:
+                ev1.record()
+                row["events"].append((ev0, ev1))
+            return res
+        return wrapped
+
+    def hook_update(fn):
+        @functools.wraps(fn)
+        def wrapped(*a, **kw):
+            res = fn(*a, **kw)
+            if live["on"] and pending:
+                pending.pop(0)["t_done"] = time.perf_counter()
+            return res
+        return wrapped
+
+    core.scheduler.schedule = hook_schedule(core.scheduler.schedule)
+    core.scheduler.update_from_output = hook_update(core.scheduler.update_from_output)
+    runner.execute_model = hook_runner(runner.execute_model)
+    if hasattr(runner, "sample_tokens"):
+        runner.sample_tokens = hook_runner(runner.sample_tokens)
+
+    live["on"] = True
+    t_start = time.perf_counter()
+    wall = run()
+    live["on"] = False
+    if cuda:
+        torch.cuda.synchronize()
+    prev = t_start
+    for r in rows:
+        evs = r.pop("events")
+        r["gpu_ms"] = evs[0][0].elapsed_time(evs[-1][1]) if evs else None
+        done = r.get("t_done")
+        r["pace_ms"] = (done - prev) * 1e3 if done else None
+        prev = done or prev
+        r["t_plan"] = (r["t_plan"] - t_start) * 1e3
+        r["t_done"] = (done - t_start) * 1e3 if done else None
+
+    n_out = args.batch * args.out
+    print(f"\ntimed run: {args.batch} x {args.prompt} prompt, {args.out} out: {wall:.2f} s, "
+          f"{n_out / wall:,.1f} output tok/s, {len(rows)} steps")
+    print(f"{'phase':8s} {'steps':>6s} {'wall s':>8s} {'tokens':>8s} {'pace ms':>9s} {'host ms':>9s} {'GPU ms':>9s}")
+    for s in summarize(rows):
+        gpu = f"{s['gpu_ms']:9.2f}" if s["gpu_ms"] is not None else f"{'-':>9s}"
+        print(f"{s['phase']:8s} {s['steps']:6d} {s['wall_s']:8.2f} {s['tokens']:8d} {s['pace_ms']:9.2f} "
+              f"{s['host_ms']:9.2f} {gpu}")
+    print("\nfirst steps (t_done ms, tokens, reqs, phase, pace / host / GPU ms):")
+    for r in rows[:12]:
+        print(f"  {r['t_done'] or 0:9.1f} {r['tokens']:6d} {r['reqs']:4d} {r['phase']:8s} "
+              f"{r['pace_ms'] or 0:8.2f} {r['host_ms']:8.2f} {r['gpu_ms'] or 0:8.2f}")
+    with open(os.path.join(out_dir, "timeline.json"), "w") as f:
+        json.dump(dict(args=vars(args), wall_s=wall, rows=rows, summary=summarize(rows)), f, indent=1)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
