@@ -6,6 +6,8 @@
 #   scripts/gpu/session.sh profile         # kernels of a bench decode step (graphs, eager) and a 16k prefill
 #   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block), swa_insert, rope, paged_rows
 #   scripts/gpu/session.sh kernels         # CUPTI kernel time per call: MoE, dense GEMMs, sparse_attn, mHC
+#   scripts/gpu/session.sh attn            # FlashMLA's sparse decode on our records (probe), then sparse_attn, router, mHC times
+#   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merge: side_by_side.py table plugin.json builtin.json)
 #   scripts/gpu/session.sh sbs stress      # our plugin's no-crash sweep (batch 1..64, prompts up to 64k)
@@ -38,6 +40,15 @@ case "${1:-}" in
   kernels)
     (cd benchmarks/ops && timeout 560 python3 kernel_times.py --only dense moe sparse_attn mhc) > "$OUT/kernel-times.log" 2>&1
     grep -vE "^(USDT|  )|Warning" "$OUT/kernel-times.log" | cut -c1-160 | tail -150 ;;
+  attn)
+    (cd benchmarks/ops && timeout 200 python3 flashmla_probe.py --tokens 1 16 64 256 4096) > "$OUT/flashmla-probe.log" 2>&1
+    (cd benchmarks/ops && timeout 340 python3 kernel_times.py --only sparse_attn router mhc --tokens 1 16 64) \
+      > "$OUT/kernel-times.log" 2>&1
+    grep -vE "^(USDT|  )|Warning" "$OUT/flashmla-probe.log" "$OUT/kernel-times.log" | cut -c1-230 | tail -150 ;;
+  timeline)
+    shift
+    timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
+    grep -vE "^(\(|INFO|WARNING|\[)" "$OUT/timeline.log" | tail -40 | cut -c1-200 ;;
   sbs)
     impl=${2:?builtin, plugin or stress}
     # the throughput targets compare the two stacks (one call each: a call may last 10 minutes); the
@@ -54,5 +65,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | kernels | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | attn | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac
