@@ -205,9 +205,10 @@ def section_router(tokens: list[int], iters: int) -> None:
         for T in tokens:
             x, w, b = br.make(T, E)
             nbytes = x.numel() * 4 + w.numel() * 2
-            variants = [("default", {}, True), ("unfused epilogue", {}, False)]
-            variants += [(f"split_k={k}", dict(SPLIT_K=k), True) for k in (1, 2, 4, 8)]
-            variants += [(f"block_k={k} w{nw}", dict(BLOCK_K=k, num_warps=nw), True) for k, nw in ((64, 4), (256, 4), (128, 2), (128, 8))]
+            variants = [("default", {}, None), ("fused epilogue", {}, True), ("unfused epilogue", {}, False)]
+            variants += [(f"split_k={k}", dict(SPLIT_K=k), None) for k in (1, 2, 4, 8)]
+            variants += [(f"block_k={k} w{nw}", dict(BLOCK_K=k, num_warps=nw), None)
+                         for k, nw in ((64, 4), (256, 4), (128, 2), (128, 8))]
             for vname, cfg, fuse in variants:
                 try:
                     total, per = kernel_us(lambda: router._router_triton(x, w, b, 6, 1.5, fuse_epilogue=fuse,

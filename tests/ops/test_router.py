@@ -135,7 +135,18 @@ INTERPRET_CASES = {
     "T3-E32-H64-k3-random": (3, 32, 64, 3, "random", "float32", True, None),
     # fp32 x against the bf16 weight: the three-part split, on the large-T tiles
     "T70-E32-H160-k6-random-fp32-split": (70, 32, 160, 6, "random", "float32", True, None),
+    # the launcher's own choice (fuse_pays): two kernels for 16 x 384 tiles, fused for 1 x 384
+    "T20-E384-H64-k6-default": (20, 384, 64, 6, "grid", "bfloat16", None, None),
+    "T1-E384-H64-k6-default": (1, 384, 64, 6, "grid", "bfloat16", None, None),
 }
+
+
+def test_fuse_pays_keeps_small_tiles_fused():
+    """The fused epilogue stays where it measured faster (1 x 384, 16 x 32 tiles) and two kernels take the
+    16 x 384 tiles (48.4 against 27.3 µs on an H200 at T = 64)."""
+    assert router_mod.fuse_pays(1, 384, 16) and router_mod.fuse_pays(64, 32, 16)
+    assert router_mod.fuse_pays(8192, 32, 64)  # bench config prefill: 64 x 32 scores per tile
+    assert not router_mod.fuse_pays(64, 384, 16) and not router_mod.fuse_pays(16, 384, 16)
 
 _RUNNER = """
 import sys, torch

@@ -40,8 +40,11 @@ Triton design (``_router_gemm_kernel``):
   to zero.  The counters live in one zero-initialised buffer per device that every launch leaves
   at zero, so the op is CUDA-graph safe; two routers must not run concurrently on different
   streams of one device (they would share counters).
-* ``fuse_epilogue=False`` keeps the slow path for comparison: the same epilogue as a second
-  kernel over row groups.
+* ``fuse_epilogue=False``: the same epilogue as a second kernel over row groups (4 rows per program).  The
+  default (:func:`fuse_pays`) fuses it only while a T tile's epilogue is small: the last CTA of a tile runs
+  it alone, so a 16-row tile of 384 experts serialises 16 x 384 scores on one CTA.  CUPTI kernel times on
+  an H200 (docs/benchmarks.md, session 9; fp32 x): E = 384, T = 64: fused 48.4 µs, two kernels 27.3 µs;
+  E = 384, T = 1: 12.0 / 12.4 µs; E = 32 (bench), T = 1 and 64: 7.2 / 7.4 and 7.6 / 7.8 µs.
 
 Numerics: the GPU logits equal the reference's up to fp32 summation order and sqrt-softplus to an
 ulp or two (exp is the hardware approximation), so ids can differ from the reference only on
@@ -250,11 +253,23 @@ def _router_config(T: int, E: int, H: int, sms: int, upcast: bool) -> dict:
                 num_warps=warps, num_stages=stages)
 
 
+#: Largest (rows of a T tile) x experts whose epilogue runs fused on the tile's last CTA (:func:`fuse_pays`).
+FUSED_EPILOGUE_MAX_SCORES = 2048
+
+
+def fuse_pays(T: int, E: int, block_t: int) -> bool:
+    """Whether the top-k epilogue runs on the last CTA of each T tile (else as a second kernel): while a tile
+    holds at most ``FUSED_EPILOGUE_MAX_SCORES`` scores.  The measured ends: 1 x 384 and 16 x 32 fused win,
+    16 x 384 loses (48.4 against 27.3 µs at T = 64); the bound between them is a choice, not a measurement."""
+    return min(T, block_t) * E <= FUSED_EPILOGUE_MAX_SCORES
+
+
 def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int,
-                   routed_scaling: float, fuse_epilogue: bool = True,
+                   routed_scaling: float, fuse_epilogue: bool | None = None,
                    config: dict | None = None, split_x: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the fused router.  ``config`` overrides the tile heuristics (benchmark sweeps);
-    ``split_x=False`` keeps an fp32 x on the FMA dot (the slow path, for comparison)."""
+    ``fuse_epilogue`` None lets :func:`fuse_pays` choose; ``split_x=False`` keeps an fp32 x on the FMA dot
+    (the slow path, for comparison)."""
     assert x.dim() == 2 and gate_weight.dim() == 2 and x.shape[1] == gate_weight.shape[1]
     T, H = x.shape
     E = gate_weight.shape[0]
@@ -275,6 +290,8 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
     cfg = _router_config(T, E, H, sm_count(x.device), fma)
     cfg.update(config or {})
     block_t, block_e, block_k = cfg.pop("BLOCK_T"), cfg.pop("BLOCK_E"), cfg.pop("BLOCK_K")
+    if fuse_epilogue is None:
+        fuse_epilogue = fuse_pays(T, E, block_t)
     split_k = cfg.pop("SPLIT_K")
     # every split gets a whole number of BLOCK_K steps; drop splits that would be empty
     k_per_split = triton.cdiv(triton.cdiv(H, split_k), block_k) * block_k
