@@ -13,7 +13,9 @@ in-process engine core:
 Per phase (steps that hold prefill tokens, pure decode steps) it prints the steps, the wall between step
 ends (the pace), the host time in the runner and the GPU time per step.  Under async scheduling a pace
 close to the host time says the host sets it; close to the GPU time, the GPU.  The rows go to
-``$OUT/timeline.json``.
+``$OUT/timeline.json``.  ``--profile-decode N`` adds a third run whose first N pure decode steps (every
+prompt prefilled) run under ``torch.profiler``: their kernels by name, count and time per step, without the
+prefill chunks that a difference of two runs (``profile_steps.py``) mixes in.
 
     PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/step_timeline.py /tmp/bench --batch 64 --prompt 1024 --out 256
 """
@@ -65,6 +67,8 @@ def main() -> int:
     ap.add_argument("--out", type=int, default=256)
     ap.add_argument("--kv-bytes", type=int, default=16 << 30)
     ap.add_argument("--max-model-len", type=int, default=66560)
+    ap.add_argument("--profile-decode", type=int, default=0, metavar="N",
+                    help="profile the first N pure decode steps of a third run")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
 
@@ -111,6 +115,7 @@ def main() -> int:
                 row["phase"] = "decode" if decode == row["reqs"] else "prefill"
                 pending.append(row)
                 rows.append(row)
+                live.get("watch", lambda: None)()
             return so
         return wrapped
 
@@ -139,6 +144,7 @@ def main() -> int:
             res = fn(*a, **kw)
             if live["on"] and pending:
                 pending.pop(0)["t_done"] = time.perf_counter()
+                live.get("watch", lambda: None)()
             return res
         return wrapped
 
@@ -178,7 +184,49 @@ def main() -> int:
               f"{r['pace_ms'] or 0:8.2f} {r['host_ms']:8.2f} {r['gpu_ms'] or 0:8.2f}")
     with open(os.path.join(out_dir, "timeline.json"), "w") as f:
         json.dump(dict(args=vars(args), wall_s=wall, rows=rows, summary=summarize(rows)), f, indent=1)
+    if args.profile_decode:
+        profile_decode(run, rows, live, args.profile_decode, cuda, out_dir)
     os._exit(0)
+
+
+def profile_decode(run, rows: list[dict], live: dict, n_steps: int, cuda: bool, out_dir: str) -> None:
+    """One more run of the workload; ``torch.profiler`` runs from the planning of its first pure decode step
+    until ``n_steps`` decode steps have come back (the hooks of :func:`main` call :func:`watch`)."""
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from profile_steps import kernel_table, report
+
+    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    state = {"on": False, "done": 0, "off": False}
+    first = len(rows)
+
+    def watch() -> None:
+        new = rows[first:]
+        if not state["on"] and new and new[-1]["phase"] == "decode" and all(
+                r["phase"] == "decode" or r.get("t_done") for r in new):
+            prof.start()
+            state["on"], state["start_row"] = True, len(rows) - 1
+        elif state["on"] and not state["off"]:
+            done = sum(1 for r in rows[state["start_row"]:] if r.get("t_done"))
+            if done >= n_steps:
+                if cuda:
+                    import torch
+
+                    torch.cuda.synchronize()
+                prof.stop()
+                state["off"] = True
+
+    live["watch"] = watch
+    live["on"] = True
+    run()
+    live["on"] = False
+    if not state["off"]:
+        print(f"\nprofile: fewer than {n_steps} decode steps came back; nothing reported")
+        return
+    report("decode steps", kernel_table(prof, cuda), n_steps, out_dir, top=30)
 
 
 if __name__ == "__main__":
