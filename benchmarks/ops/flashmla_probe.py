@@ -10,6 +10,12 @@ the SWA list as ``indices`` and the compressed list as ``extra_indices_in_kvcach
 with ``sparse_attn_ref`` at position 0 (FlashMLA does not apply the inverse RoPE; at position 0 it is the
 identity) and times both (CUPTI kernel time per call, as ``kernel_times.py``).
 
+``--sparse-fwd`` probes FlashMLA's sparse *prefill* kernel (``flash_mla_sparse_fwd``: bf16 keys, per-row
+indices, the sink), which the built-in V4.1 runs on Hopper after dequantising the keys a chunk can see into
+a bf16 workspace: the records of a decode case and of a 4,096-row prefill case (one request at positions
+8,192..) are decoded to bf16 once, the SWA and compressed lists become indices into that table, and the
+kernel is timed against ``sparse_attn`` on the records (the workspace's decode is not in its time).
+
 GPU with vLLM 0.32 (the bundle) importable:
 
     PYTHONPATH=/tmp/site python3 benchmarks/ops/flashmla_probe.py --tokens 1 16 64 256
@@ -50,14 +56,19 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256])
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--sparse-fwd", type=int, nargs="*", default=None, metavar="T",
+                    help="probe flash_mla_sparse_fwd on decode cases of these T and a 4096-row prefill case")
     a = ap.parse_args()
     if open_gpu("flashmla_probe") is None:
         return 0
     try:
-        from vllm.third_party.flashmla.flash_mla_interface import flash_mla_with_kvcache, get_mla_metadata
+        from vllm.third_party.flashmla.flash_mla_interface import (flash_mla_sparse_fwd, flash_mla_with_kvcache,
+                                                                   get_mla_metadata)
     except Exception as exc:  # noqa: BLE001 - report and stop
         print(f"flashmla: not importable: {type(exc).__name__}: {exc}")
         return 0
+    if a.sparse_fwd is not None:
+        return probe_sparse_fwd(flash_mla_sparse_fwd, a.sparse_fwd, a.iters)
 
     for T in a.tokens:
         for holes in (0.0, 0.05):  # without and with -1 entries inside the SWA lists
@@ -96,6 +107,41 @@ def main() -> int:
             top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
             print(f"T={T:5d} holes {holes:.2f}: rel err vs reference {err:.2e} (ours bf16 ~4e-3); kernel time "
                   f"ours {ours:8.1f} µs, FlashMLA {fm:8.1f} µs  [{top}]", flush=True)
+    return 0
+
+
+def probe_sparse_fwd(sparse_fwd, tokens: list[int], iters: int) -> int:
+    """``flash_mla_sparse_fwd`` on keys decoded to bf16 (see the module docstring)."""
+    from vllm_dsv41 import formats
+
+    cases = [(f"decode T={t}", bsa.decode_case(t, t)) for t in tokens]
+    cases.append(("prefill T=4096", bsa.prefill_case(4096, 4096)))
+    for name, c in cases:
+        c["positions"] = torch.zeros_like(c["positions"])
+        D = c["q"].shape[-1]
+        n_swa = c["swa_cache"].shape[0]
+        kv = torch.cat((formats.decode_mxfp8_record(c["swa_cache"], D),
+                        formats.decode_nvfp4_record(c["comp_cache"], D))).bfloat16().unsqueeze(1).contiguous()
+        comp = c["comp_slots"].long()
+        idx = torch.cat((c["swa_slots"].long(), torch.where(comp >= 0, comp + n_swa, -1)), 1)
+        idx = idx.int().unsqueeze(1).contiguous()                                # [T, 1, W + K]
+        ref = sa.sparse_attn_ref(*bsa._args(c)).float()
+        ours, _ = kernel_us(lambda: sa._sparse_attn_triton(*bsa._args(c)), iters)
+
+        def call():
+            return sparse_fwd(c["q"].contiguous(), kv, idx, c["scale"], 512, attn_sink=c["sink"].float())[0]
+
+        try:
+            out = call().float()
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - the probe's answer
+            print(f"{name}: flash_mla_sparse_fwd failed: {type(exc).__name__}: {str(exc)[:300]}")
+            continue
+        err = ((out - ref).norm() / ref.norm()).item()
+        fm, per = kernel_us(call, iters)
+        top = ", ".join(f"{k} {v:.1f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
+        print(f"{name}: rel err vs reference {err:.2e}; kernel time sparse_attn on records {ours:9.1f} µs, "
+              f"flash_mla_sparse_fwd on bf16 keys {fm:9.1f} µs  [{top}]", flush=True)
     return 0
 
 
