@@ -44,6 +44,7 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
                                               on_fast_device)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
+from vllm_dsv41.ops import sparse_attn_gathered
 from vllm_dsv41.ops.sparse_attn import skip_empty_pays
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, clamped_swiglu_act, hc_coefficients,
@@ -383,12 +384,40 @@ class Attention(nn.Module):
                 lambda: step.group(src.comp_cache.prefix).slots_of(
                     req, step.scratch[("topk_ids", plan.index_source)], src.comp_cache.flat_rows()[1:]))
             comp_cache = src.comp_cache.flat_rows()[0]
+        if not in_static_step() and sparse_attn_gathered.applies(q, q.shape[0]):
+            return self._attend_gathered(step, q, pos, req, floors, src if comp_slots is not None else None,
+                                         comp_slots)
         # prefill rows of short contexts: the kernel skips their key tiles of -1 (not inside a captured step,
         # whose launch is replayed for any context)
         skip = not in_static_step() and skip_empty_pays(q.shape[0], step.max_position, cfg.topk_fill_context)
         return _ops().sparse_attn(q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors),
                                   comp_cache, comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos,
                                   self.inv_freq, skip)
+
+    def _attend_gathered(self, step: Step, q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor,
+                         floors: torch.Tensor, src, comp_slots: torch.Tensor | None) -> torch.Tensor:
+        """Prefill rows through FlashMLA's sparse prefill kernel on gathered bf16 keys (``ops.sparse_attn_gathered``,
+        ``VLLM_DSV41_PREFILL_ATTN=flashmla``).  The gather plans are made once per slot list and step: the SWA
+        one is shared by the layers of a group when the rows are the step's own, the compressed one by the
+        consumers of a selection."""
+        plan = self.plan
+        swa_flat, bstep, rstep = self.swa_cache.flat_rows()
+        swa_slots = self._swa_slots(step, pos, req, floors)
+        own = pos is step.positions and floors is step.replay_start
+        key = ("gather_swa", id(step.group(self.swa_cache.prefix)), bstep, rstep, swa_flat.shape[0]) if own else None
+        swa_plan = step.once(key, lambda: sparse_attn_gathered.gather_plan(
+            swa_slots, bstep, rstep, self.swa_cache.rows_per_block, swa_flat.shape[0]))
+        comp_flat = comp_plan = comp_steps = None
+        if src is not None:
+            comp_flat, cb, cr = src.comp_cache.flat_rows()
+            comp_steps = (cb, cr)
+            comp_plan = step.once(("gather_comp", plan.index_source, plan.kv_source),
+                                  lambda: sparse_attn_gathered.gather_plan(comp_slots, cb, cr,
+                                                                           src.comp_cache.rows_per_block,
+                                                                           comp_flat.shape[0]))
+        return sparse_attn_gathered.sparse_attn_gathered(
+            q, swa_flat, swa_plan, (bstep, rstep), comp_flat, comp_plan, comp_steps, self.attn_sink,
+            self.cfg.head_dim ** -0.5, pos, self.inv_freq)
 
     def _rope(self, step: Step, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``apply_rope`` (``dsv41::rope`` on the ops path); on the plain path over the step's own positions

@@ -1,0 +1,142 @@
+"""ops/sparse_attn_gathered: the gather plan, the workspace and the whole path (with the CPU stand-in of
+FlashMLA's kernel) against ``sparse_attn_ref``, on caches laid out as the engine's packed pools are."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.ops.conftest import requires_cuda
+from tests.ops.test_sparse_attn import _args, random_case
+from vllm_dsv41 import formats
+from vllm_dsv41.ops import sparse_attn as sa
+from vllm_dsv41.ops import sparse_attn_gathered as sag
+
+
+def packed_pool(records: torch.Tensor, rows_per_block: int, pad_bytes: int, g: torch.Generator):
+    """Records [S, rec] placed in blocks of ``rows_per_block`` rows whose stride carries ``pad_bytes`` more
+    (a shared pool's packed block), viewed as ``CacheLayer.flat_rows`` does.  Returns (flat view, bstep, rstep,
+    engine slot -> flat row map)."""
+    S, rec = records.shape
+    nb = -(-S // rows_per_block) + 1  # block 0 stays vLLM's null block
+    bstride = rows_per_block * rec + pad_bytes
+    pool = torch.randint(0, 256, (nb * bstride,), dtype=torch.uint8, generator=g)
+    kv = pool.as_strided((nb, 1, rows_per_block, rec), (bstride, bstride, rec, 1))
+    gcd = math.gcd(bstride, rec)
+    bstep, rstep = bstride // gcd, rec // gcd
+    n = (nb - 1) * bstep + (rows_per_block - 1) * rstep + 1
+    flat = pool.as_strided((n, rec), (gcd, 1))
+    slot = torch.arange(S) + rows_per_block  # engine slots, past the null block
+    kv[slot // rows_per_block, 0, slot % rows_per_block] = records
+
+    def to_flat(s: torch.Tensor) -> torch.Tensor:
+        s = s.long()
+        e = torch.where(s >= 0, s + rows_per_block, 0)
+        return torch.where(s >= 0, (e // rows_per_block) * bstep + (e % rows_per_block) * rstep, -1)
+
+    return flat, bstep, rstep, to_flat
+
+
+def test_gather_plan_lands_every_slot_on_its_record():
+    g = torch.Generator().manual_seed(0)
+    records = torch.randint(0, 256, (300, 24), dtype=torch.uint8, generator=g)
+    flat, bstep, rstep, to_flat = packed_pool(records, 32, 40, g)
+    assert bstep != 32 * rstep  # the packed geometry, not the identity map
+    slots = torch.randint(-1, 300, (7, 50), generator=g)
+    slots[:, :5] = -1
+    plan = sag.gather_plan(to_flat(slots), bstep, rstep, 32, flat.shape[0])
+    f = plan.blocks[:, None] * bstep + torch.arange(32)[None, :] * rstep
+    ws = flat[f.flatten()]
+    assert torch.equal(plan.rows < 0, slots < 0)
+    ok = slots >= 0
+    assert torch.equal(ws[plan.rows[ok].long()], records[slots[ok]])
+    # only touched blocks are gathered
+    touched = torch.unique((to_flat(slots[ok]) // bstep))
+    assert torch.equal(plan.blocks, touched)
+
+
+def test_combined_indices_shift_and_pad():
+    swa = sag.GatherPlan(torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 1, -1]], dtype=torch.int32), 4)
+    comp = sag.GatherPlan(torch.zeros(1, dtype=torch.int64), torch.tensor([[2, -1]], dtype=torch.int32), 4)
+    idx = sag.combined_indices(swa, comp, 4)
+    assert idx.shape == (1, 1, sag.INDEX_ALIGN) and idx.dtype == torch.int32
+    assert idx[0, 0, :5].tolist() == [0, 1, -1, 6, -1] and (idx[0, 0, 5:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("swa_only", [False, True], ids=["both", "swa-only"])
+def test_gathered_path_equals_sparse_attn_ref(dtype, swa_only):
+    """With the float64 stand-in as the kernel the path computes what ``sparse_attn_ref`` computes: the same bits
+    with fp32 q; with bf16 q the output is rounded before the inverse RoPE (the kernel's bf16 output), so within a
+    bf16 rounding of the reference."""
+    g = torch.Generator().manual_seed(3)
+    c = random_case(9, 8, 64, 16, 20, None if swa_only else 30, seed=5, dtype=dtype, swa_pool=200, comp_pool=150)
+    ref = sa.sparse_attn_ref(*_args(c))
+    swa_flat, sb, sr, swa_map = packed_pool(c["swa_cache"], 32, 16, g)
+    swa_plan = sag.gather_plan(swa_map(c["swa_slots"]), sb, sr, 32, swa_flat.shape[0])
+    comp_flat = comp_plan = comp_steps = None
+    if not swa_only:
+        comp_flat, cb, cr, comp_map = packed_pool(c["comp_cache"], 16, 0, g)
+        comp_steps = (cb, cr)
+        comp_plan = sag.gather_plan(comp_map(c["comp_slots"]), cb, cr, 16, comp_flat.shape[0])
+    got = sag.sparse_attn_gathered(c["q"], swa_flat, swa_plan, (sb, sr), comp_flat, comp_plan, comp_steps, c["sink"],
+                                   c["scale"], c["positions"], c["inv_freq"], kernel=sag.sparse_fwd_ref)
+    assert got.dtype == dtype and got.shape == ref.shape
+    if dtype == torch.float32:
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_gathered_keys_are_the_records_exactly():
+    """bf16 holds every decoded record element exactly (at most 8 significant bits)."""
+    g = torch.Generator().manual_seed(1)
+    lat = torch.randn(64, 512, generator=g) * torch.exp(2 * torch.randn(512, generator=g))
+    for enc, dec in ((formats.encode_mxfp8_record, formats.decode_mxfp8_record),
+                     (formats.encode_nvfp4_record, formats.decode_nvfp4_record)):
+        rec = enc(lat)
+        flat, bstep, rstep, to_flat = packed_pool(rec, 32, 0, g)
+        plan = sag.gather_plan(to_flat(torch.arange(64)[None, :]), bstep, rstep, 32, flat.shape[0])
+        keys = sag.gather_keys(flat, plan, bstep, rstep, lambda r: dec(r, 512))
+        assert keys.dtype == torch.bfloat16
+        assert torch.equal(keys[plan.rows[0].long()].float(), dec(rec, 512))
+
+
+def test_applies_only_when_asked_on_a_gpu(monkeypatch):
+    q = torch.zeros(512, 64, 512, dtype=torch.bfloat16)
+    monkeypatch.delenv(sag.ENV, raising=False)
+    assert not sag.applies(q, 512)
+    monkeypatch.setenv(sag.ENV, "flashmla")
+    assert not sag.applies(q, 512)  # a CPU tensor: no FlashMLA here
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
+    assert sag.applies(q, 512)
+    assert not sag.applies(q, sag.MIN_ROWS - 1)                       # decode-sized steps
+    assert not sag.applies(q.float(), 512)                            # the kernel takes bf16 q
+    assert not sag.applies(torch.zeros(512, 16, 512, dtype=torch.bfloat16), 512)  # 16 heads (TP 4)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [256, 2048])
+def test_cuda_flashmla_kernel_real_sizes(T):
+    """The path with vLLM's FlashMLA kernel at the production sizes (64 heads, D 512, W 128, K 512, bf16 q)
+    against the reference; skipped where FlashMLA does not import."""
+    if sag.flashmla_sparse_fwd() is None:
+        pytest.skip("vLLM's FlashMLA is not importable here")
+    g = torch.Generator().manual_seed(T)
+    c = random_case(T, 64, 512, 64, 128, 512, seed=T, dtype=torch.bfloat16, swa_pool=4096, comp_pool=8192,
+                    holes=0.02)
+    ref = sa.sparse_attn_ref(*_args(c)).float()
+    swa_flat, sb, sr, swa_map = packed_pool(c["swa_cache"], 32, 0, g)
+    comp_flat, cb, cr, comp_map = packed_pool(c["comp_cache"], 32, 0, g)
+    dev = lambda t: t.cuda()  # noqa: E731
+    swa_plan = sag.gather_plan(dev(swa_map(c["swa_slots"])), sb, sr, 32, swa_flat.shape[0])
+    comp_plan = sag.gather_plan(dev(comp_map(c["comp_slots"])), cb, cr, 32, comp_flat.shape[0])
+    got = sag.sparse_attn_gathered(dev(c["q"]), dev(swa_flat), swa_plan, (sb, sr), dev(comp_flat), comp_plan,
+                                   (cb, cr), dev(c["sink"]), c["scale"], dev(c["positions"]), dev(c["inv_freq"]))
+    err = ((got.float().cpu() - ref).norm() / ref.norm()).item()
+    print(f"flashmla gathered T={T}: rel err {err:.2e}")
+    assert err < 1e-2

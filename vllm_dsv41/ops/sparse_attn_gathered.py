@@ -1,0 +1,149 @@
+"""Sparse attention through FlashMLA's sparse prefill kernel on gathered bf16 keys (a Hopper prefill path).
+
+Same maths and arguments as ``dsv41::sparse_attn`` (:mod:`vllm_dsv41.ops.sparse_attn`), another route:
+
+1. **Gather plan** (:func:`gather_plan`): the cache blocks a step's slot lists touch, and for every listed slot
+   its row in a workspace that holds those blocks' records one after another.  No sort: the touched blocks are
+   marked in a per-block table (``scatter_reduce`` max), numbered by a prefix sum, and read back once
+   (``nonzero``: a host read, so this path is for eager prefill steps, never for captured decode steps).  The
+   model computes one plan per slot list and step and shares it between the layers that read the same list.
+2. **Workspace**: every record of those blocks decoded to bf16 (exact: a record element has at most 8
+   significant bits), the SWA table then the compressed one.
+3. **Kernel**: vLLM 0.32's ``flash_mla_sparse_fwd`` (FlashMLA's sparse prefill: bf16 q and keys, per-row key
+   indices, the attention sink; MQA with D = 512), the kernel vLLM's own V4.1 runs for prefill on Hopper after
+   a similar gather.  Its sparse *decode* kernel documents our very record formats but refuses them on SM90
+   (``benchmarks/ops/flashmla_probe.py``), hence the workspace.
+4. **Inverse RoPE** of the output (``dsv41::rope`` at the negated positions).
+
+Status: the speed of step 3 on our shapes is for ``flashmla_probe.py --sparse-fwd`` to say; until measured the
+model takes this path only when ``VLLM_DSV41_PREFILL_ATTN=flashmla``.  On CPU (tests) ``kernel`` is
+:func:`sparse_fwd_ref`, a float64 stand-in with the kernel's contract.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from vllm_dsv41 import formats
+from vllm_dsv41.reference.model import sparse_attention
+
+ENV = "VLLM_DSV41_PREFILL_ATTN"
+"""``flashmla``: prefill rows go through this path where it applies (:func:`applies`); else ``sparse_attn``."""
+MIN_ROWS = 256
+"""Steps with fewer attention rows (decode) keep ``sparse_attn``."""
+INDEX_ALIGN = 128
+"""The combined index lists are padded with -1 to a multiple of this (as vLLM pads them for the kernel)."""
+FLASHMLA_HEADS = (64, 128)
+"""Query head counts the FlashMLA kernels take."""
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """Which blocks of a flat cache view a slot list touches, and where each listed slot lands."""
+
+    blocks: torch.Tensor  # int64 [n] touched blocks, ascending
+    rows: torch.Tensor    # int32 [R, N] workspace row of each listed slot, -1 where the list has -1
+    rows_per_block: int
+
+
+def gather_plan(slots: torch.Tensor, bstep: int, rstep: int, rows_per_block: int, n_flat: int) -> GatherPlan:
+    """Plan for ``slots`` [R, N] (rows of a flat cache view with block step ``bstep`` and row step ``rstep``,
+    ``CacheLayer.flat_rows``; ``n_flat`` rows in the view; -1 = none): slot ``b * bstep + i * rstep`` lands
+    on workspace row ``rank(b) * rows_per_block + i``."""
+    valid = slots >= 0
+    s = torch.where(valid, slots, 0).to(torch.int64)
+    blk = s // bstep
+    off = (s - blk * bstep) // rstep
+    n_blocks = (n_flat - 1) // bstep + 1
+    mark = torch.zeros(n_blocks, dtype=torch.int32, device=slots.device)
+    mark.scatter_reduce_(0, blk.flatten(), valid.flatten().to(torch.int32), "amax")
+    rank = torch.cumsum(mark, 0) - 1
+    rows = torch.where(valid, rank[blk] * rows_per_block + off, -1).to(torch.int32)
+    return GatherPlan(mark.nonzero().squeeze(1), rows, rows_per_block)
+
+
+def gather_keys(flat: torch.Tensor, plan: GatherPlan, bstep: int, rstep: int, decode) -> torch.Tensor:
+    """bf16 keys [n * rows_per_block, D] of the plan's blocks (every row of each, in order), from the flat
+    view's records through ``decode`` (records -> fp32 [n, D])."""
+    e = plan.rows_per_block
+    f = plan.blocks[:, None] * bstep + torch.arange(e, device=flat.device)[None, :] * rstep
+    return decode(flat[f.flatten()]).to(torch.bfloat16)
+
+
+def sparse_fwd_ref(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, scale: float, d_v: int = 512,
+                   attn_sink: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+    """Stand-in for ``flash_mla_sparse_fwd`` with its contract: q [T, H, D] bf16, kv [S, 1, D] bf16, indices
+    [T, 1, N] int32 (-1 or >= S: none) -> (out [T, H, d_v] bf16,), softmax over each row's listed keys with the
+    sink; computed in float64 by the reference's ``sparse_attention`` (the tests' kernel on CPU)."""
+    T, S = q.shape[0], kv.shape[0]
+    idx = indices[:, 0].long()
+    ok = (idx >= 0) & (idx < S)
+    out = torch.zeros(T, q.shape[1], d_v, dtype=torch.float32, device=q.device)
+    sink = attn_sink.float() if attn_sink is not None else torch.full((q.shape[1],), float("-inf"))
+    for lo in range(0, T, 64):
+        hi = min(lo + 64, T)
+        sel = idx[lo:hi][ok[lo:hi]]
+        if sel.numel() == 0:
+            continue
+        uniq = torch.unique(sel)
+        col = torch.where(ok[lo:hi], torch.searchsorted(uniq, idx[lo:hi].clamp(min=0).contiguous()), uniq.numel())
+        mask = torch.zeros(hi - lo, uniq.numel() + 1, dtype=torch.bool, device=q.device)
+        mask.scatter_(1, col, True)
+        keys = kv[uniq, 0].float()
+        out[lo:hi] = sparse_attention(q[lo:hi].float(), keys, mask[:, :-1], sink, scale)[..., :d_v]
+    return (out.to(q.dtype),)
+
+
+@functools.cache
+def flashmla_sparse_fwd():
+    """vLLM's ``flash_mla_sparse_fwd``, or None where it cannot be imported (CPU wheels, no GPU)."""
+    try:
+        from vllm.third_party.flashmla.flash_mla_interface import flash_mla_sparse_fwd
+    except Exception:  # noqa: BLE001 - any import failure means "not here"
+        return None
+    return flash_mla_sparse_fwd
+
+
+def applies(q: torch.Tensor, rows: int) -> bool:
+    """Whether the model sends these attention rows here: asked for (``VLLM_DSV41_PREFILL_ATTN=flashmla``), a
+    prefill-sized step, bf16 q of 512 dims and a head count the kernel takes, on a GPU where it imports."""
+    return (os.environ.get(ENV, "") == "flashmla" and rows >= MIN_ROWS and q.is_cuda and q.dtype == torch.bfloat16
+            and q.shape[-1] == 512 and q.shape[1] in FLASHMLA_HEADS and flashmla_sparse_fwd() is not None)
+
+
+def combined_indices(swa_plan: GatherPlan, comp_plan: GatherPlan | None, n_swa_rows: int) -> torch.Tensor:
+    """[R, 1, N] int32: each row's SWA workspace rows, then its compressed ones shifted past the SWA table, -1
+    padded to a multiple of ``INDEX_ALIGN``."""
+    parts = [swa_plan.rows]
+    if comp_plan is not None:
+        c = comp_plan.rows
+        parts.append(torch.where(c >= 0, c + n_swa_rows, -1).to(torch.int32))
+    idx = torch.cat(parts, 1)
+    pad = -idx.shape[1] % INDEX_ALIGN
+    if pad:
+        idx = torch.cat((idx, idx.new_full((idx.shape[0], pad), -1)), 1)
+    return idx.unsqueeze(1).contiguous()
+
+
+def sparse_attn_gathered(q: torch.Tensor, swa_flat: torch.Tensor, swa_plan: GatherPlan, swa_steps: tuple[int, int],
+                         comp_flat: torch.Tensor | None, comp_plan: GatherPlan | None,
+                         comp_steps: tuple[int, int] | None, sink: torch.Tensor, scale: float,
+                         positions: torch.Tensor, inv_freq: torch.Tensor, kernel=None) -> torch.Tensor:
+    """``sparse_attn`` of q [T, Hq, D] over the SWA and compressed records its plans list (``*_steps`` =
+    (bstep, rstep) of each flat view), through ``kernel`` (default: FlashMLA's) on the gathered bf16 keys,
+    inverse RoPE included.  Returns [T, Hq, D] in q's dtype."""
+    from vllm_dsv41.ops import rope as rope_op
+
+    D = q.shape[-1]
+    kv = [gather_keys(swa_flat, swa_plan, *swa_steps, lambda r: formats.decode_mxfp8_record(r, D))]
+    if comp_plan is not None:
+        kv.append(gather_keys(comp_flat, comp_plan, *comp_steps, lambda r: formats.decode_nvfp4_record(r, D)))
+    idx = combined_indices(swa_plan, comp_plan, kv[0].shape[0])
+    kv = torch.cat(kv).unsqueeze(1).contiguous()
+    kernel = kernel or flashmla_sparse_fwd()
+    out = kernel(q.contiguous(), kv, idx, scale, D, attn_sink=sink.float().contiguous())[0]
+    return rope_op.rope(out.to(q.dtype), -positions, inv_freq)
