@@ -94,7 +94,8 @@ def _layout(m, dtype: torch.dtype) -> dict:
     attn = [layer.attn for layer in m.model.layers]
     ffn = [layer.ffn for layer in m.model.layers]
     live = [q for q in m.modules() if isinstance(q, linear.QuantLinear) and not getattr(q, "retired", False)]
-    gemms = {"bf16" if q.w16 is not None else "marlin" if q.marlin is not None else "none" for q in live}
+    gemms = {"bf16" if q.w16 is not None else "marlin" if q.marlin is not None else "fp8" if q.fp8_kept else "none"
+             for q in live}
     return {
         "cuda_fast": m.weights.cuda_fast,
         "dense gemm": gemms.pop() if len(gemms) == 1 else sorted(gemms),
@@ -117,10 +118,13 @@ def fast_layout(gemm: str, moe: str = "marlin") -> dict:
             "head": True}
 
 
-def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
+@pytest.mark.parametrize("gemm", ["bf16", "fp8"])
+def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
     """bf16: the tiny model through the fast path's code, eager and as padded static decode steps: the
     layout is the fast one, every logit is finite, no op inside a static step reads a device value on the
-    host, and the static steps give the eager run's greedy tokens."""
+    host, and the static steps give the eager run's greedy tokens (dense GEMMs on bf16 weights, or on the kept
+    FP8 bytes through ``dsv41::fp8_gemm``)."""
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, gemm)
     _emulate_fast_path(monkeypatch, torch.bfloat16)
     probe = probe_static_steps(monkeypatch)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
@@ -131,7 +135,7 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
             layout = llm.apply_model(lambda m: _layout(m, torch.bfloat16))[0]
             outs = _generate(llm, prompts, logits=True)
             runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
-    assert layout == fast_layout("bf16"), layout
+    assert layout == fast_layout(gemm), layout
     for tokens, logits in runs.values():
         assert all(len(t) == 8 for t in tokens) and all(torch.isfinite(lg).all() for lg in logits)
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
@@ -143,12 +147,13 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch):
     assert same == len(prompts)
 
 
-@pytest.mark.parametrize("gemm,moe", [("bf16", "marlin"), ("marlin", "marlin"), ("bf16", "triton")])
+@pytest.mark.parametrize("gemm,moe", [("bf16", "marlin"), ("marlin", "marlin"), ("fp8", "marlin"), ("bf16", "triton")])
 def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, moe):
     """fp32: the fast path's code with fp32 where the GPU uses bf16 gives the dequantised ops path's logits
     (every step, whole vocabulary) to fp32 rounding, for both dense GEMM backends and both routed-expert
     paths: the fused GEMMs' splits, the grouped wo_a (batched on the dequantised weights; on Marlin the
-    all-rows diagonal at decode and per-group GEMMs at prefill), the shared expert and the routed stack
+    all-rows diagonal at decode and per-group GEMMs at prefill; on ``fp8`` the grouped ``dsv41::fp8_gemm`` at decode
+    and a per-call dequantisation at prefill), the shared expert and the routed stack
     (Marlin's stand-in, or ``dsv41::moe_mxfp4`` whose CPU implementation is its reference) compute the same
     products."""
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")

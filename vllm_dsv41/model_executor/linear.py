@@ -7,9 +7,10 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
 * :class:`QuantLinear` - an FP8 E4M3 weight with 32x32 UE8M0 tiles.  Dequantised on arrival on
   the exact path; on the fast path the FP8 bytes and tiles are kept and, on CUDA, turned once after
   loading into what ``VLLM_DSV41_DENSE_GEMM`` (:func:`dense_gemm_backend`) names: ``bf16`` (default:
-  the dequantised weight in bf16, exact since E4M3 x 2^k fits bf16, through cuBLAS) or ``marlin``
+  the dequantised weight in bf16, exact since E4M3 x 2^k fits bf16, through cuBLAS), ``marlin``
   (vLLM's Marlin W8A16 MXFP8 GEMM; a 32x32 tile is 32 rows of one 1x32 MX scale, so the repack is
-  exact); on CPU the fast path dequantises per call (the reference);
+  exact) or ``fp8`` (the bytes and tiles kept for our ``dsv41::fp8_gemm`` at decode sizes); on CPU the fast
+  path dequantises per call (the reference);
 * :class:`Expert` - a routed expert (MXFP4, 1x32 UE8M0).  Quantised on CUDA, a layer's experts are
   stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
   Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
@@ -58,10 +59,12 @@ def weights_mode(exact: bool, on_cuda: bool) -> str:
 
 def dense_gemm_backend() -> str:
     """``VLLM_DSV41_DENSE_GEMM``: how the fast CUDA path runs the FP8 dense weights - ``bf16`` (default;
-    dequantised once, cuBLAS) or ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory)."""
+    dequantised once, cuBLAS), ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory) or
+    ``fp8`` (the FP8 bytes kept: ``dsv41::fp8_gemm`` up to its ``MAX_M`` tokens, a per-call bf16 dequantisation
+    and cuBLAS above; not yet measured on the H200)."""
     v = os.environ.get(DENSE_GEMM_ENV, "bf16").strip().lower() or "bf16"
-    if v not in ("bf16", "marlin"):
-        raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16 or marlin")
+    if v not in ("bf16", "marlin", "fp8"):
+        raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16, marlin or fp8")
     return v
 
 
@@ -222,6 +225,7 @@ class QuantLinear(nn.Module):
         self.marlin: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per group
         self.marlin_all: tuple[torch.Tensor, torch.Tensor] | None = None  # all rows (grouped layers)
         self.w16: torch.Tensor | None = None  # the dequantised weight [N, K] in FAST_GEMM_DTYPE (cuBLAS)
+        self.fp8_kept = False  # ``fp8`` backend: weight and scale stay as loaded, dsv41::fp8_gemm reads them
         if not quant:
             self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float32))
             return
@@ -238,9 +242,16 @@ class QuantLinear(nn.Module):
         """After loading, when the weight lives on CUDA: dequantise it to ``w16`` or repack it for Marlin."""
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
-        if dense_gemm_backend() == "bf16":
+        backend = dense_gemm_backend()
+        if backend == "bf16":
             self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
             del self.weight, self.scale
+            return
+        if backend == "fp8":
+            if (self.out_features // self.groups) % 32:
+                raise ValueError(f"QuantLinear: {self.groups} groups of {self.out_features // self.groups} rows do "
+                                 "not align with 32x32 tiles")
+            self.fp8_kept = True
             return
         rows = self.out_features // self.groups
         if rows % 32:
@@ -268,9 +279,26 @@ class QuantLinear(nn.Module):
         return apply_mxfp8_marlin_linear(input=x, weight=w, weight_scale=s, workspace=None, size_n=n,
                                          size_k=self.in_features)
 
+    def _fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The ``fp8`` backend: few tokens through ``dsv41::fp8_gemm`` on the kept FP8 bytes; more (prefill)
+        through a bf16 dequantisation of this call (the FP8 bytes read once, the GEMM dominates) and cuBLAS."""
+        from vllm_dsv41.ops import fp8_gemm
+
+        G, T = self.groups, x.shape[0]
+        xb = x.to(FAST_GEMM_DTYPE)
+        if T <= fp8_gemm.MAX_M:
+            out = fp8_gemm.fp8_gemm(xb.reshape(T, -1), self.weight, self.scale, G)
+            return (out if G == 1 else out.view(T, G, -1)).to(x.dtype)
+        w = self.dequantized().to(FAST_GEMM_DTYPE)
+        if G == 1:
+            return torch.nn.functional.linear(xb, w).to(x.dtype)
+        return torch.einsum("tgk,gok->tgo", xb, w.view(G, -1, self.in_features)).to(x.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
         G = self.groups
+        if self.fp8_kept:
+            return self._fp8_forward(x)
         if self.w16 is not None:
             xb = x.to(self.w16.dtype)
             if G == 1:

@@ -5,7 +5,8 @@ Maths (the checkpoint's dense weights, architecture.md §6)::
     out[m, n] = sum_k x[m, k] * w[n, k] * 2^(s[n // 32, k // 32] - 127)      fp32 accumulation, bf16 out
 
 Shapes: x [M, K] bf16 (M small: decode), w [N, K] E4M3 bytes (uint8 or float8_e4m3fn), s uint8 [N/32, K/32]
--> [M, N] bf16.  N and K multiples of 32.  ``groups`` G > 1 is the grouped linear (``wo_a``): x [M, G*K], group
+-> [M, N] in x's dtype (the kernel takes bf16 x; other dtypes go through the reference).  N and K multiples
+of 32.  ``groups`` G > 1 is the grouped linear (``wo_a``): x [M, G*K], group
 g's input slice x[:, gK:(g+1)K] through its N/G weight rows into out[:, g*N/G:(g+1)*N/G] (N/G a multiple of 32).
 
 Why an op: at decode the dense GEMMs read their weights once per step and are bandwidth-bound; the default
@@ -40,14 +41,14 @@ MAX_M = 64
 
 
 def fp8_gemm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """Plain PyTorch (CPU implementation and test oracle): the dequantised weight, fp32 product, bf16 out."""
+    """Plain PyTorch (CPU implementation and test oracle): the dequantised weight, fp32 product, x's dtype out."""
     _check(x, w, scale, groups)
     wd = formats.dequant_fp8_block(formats.as_uint8(w), formats.as_uint8(scale), TILE)
     M, (N, K) = x.shape[0], w.shape
     if groups == 1:
-        return (x.float() @ wd.t()).to(torch.bfloat16)
+        return (x.float() @ wd.t()).to(x.dtype)
     xg = x.float().view(M, groups, K)
-    return torch.einsum("mgk,gok->mgo", xg, wd.view(groups, N // groups, K)).reshape(M, N).to(torch.bfloat16)
+    return torch.einsum("mgk,gok->mgo", xg, wd.view(groups, N // groups, K)).reshape(M, N).to(x.dtype)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int) -> None:
@@ -142,9 +143,9 @@ def _fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, grou
     _check(x, w, scale, groups)
     M = x.shape[0]
     N, K = w.shape
-    if M > MAX_M:
+    if M > MAX_M or x.dtype != torch.bfloat16:
         return fp8_gemm_ref(x, w, scale, groups)
-    x = x.to(torch.bfloat16).contiguous()
+    x = x.contiguous()
     w8 = formats.as_uint8(w)
     s8 = formats.as_uint8(scale)
     if w8.stride(1) != 1:
@@ -168,7 +169,7 @@ def _fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, grou
 
 
 def _fp8_gemm_fake(x, w, scale, groups=1):
-    return x.new_empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 fp8_gemm = define_op("fp8_gemm", "(Tensor x, Tensor w, Tensor scale, int groups=1) -> Tensor", fp8_gemm_ref,
