@@ -8,8 +8,8 @@ captured decode step does not pay it.  Here each op runs ``--iters`` times eager
 ``torch.profiler`` and every kernel's CUPTI duration is summed and divided by the call count: the GPU time a
 graph replay of the op would take, minus the gaps between kernels.  One line per (op, size, variant), with the
 kernels named and the bytes an ideal kernel moves.  Sections: ``moe`` (``dsv41::moe_mxfp4``, Triton, E 32,
-top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16 against bf16 cuBLAS at the bench
-shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``sparse_attn`` (decode and prefill cases of
+top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16, bf16 cuBLAS and our ``dsv41::fp8_gemm``
+at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``sparse_attn`` (decode and prefill cases of
 bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
 model's dtype).  Image torch + Triton suffice for all but ``dense``.  Not collected by pytest.
 """
@@ -89,26 +89,39 @@ def section_dense(tokens: list[int], iters: int) -> None:
 
     from vllm_dsv41.model_executor import linear
 
-    print("\ndense FP8 GEMMs: Marlin W8A16 (FP8 bytes) vs bf16 cuBLAS; MB = the weight bytes of the path")
+    from vllm_dsv41.ops import fp8_gemm
+
+    print("\ndense FP8 GEMMs: Marlin W8A16 (FP8 bytes) vs bf16 cuBLAS vs our dsv41::fp8_gemm (FP8 bytes); MB = the "
+          "weight bytes of the path")
     env = os.environ.get(linear.DENSE_GEMM_ENV)
-    for label, N, K in bg.SHAPES:
+    # (label, N, K, groups): the bench shapes, then the grouped wo_a as one launch over its 8 groups
+    for label, N, K, G in [(lb, n, k, 1) for lb, n, k in bg.SHAPES] + [("wo_a 8 groups", 8192, 4096, 8)]:
         copies = max(2, -(-256 * 2 ** 20 // (2 * N * K)))
-        marlin, w16 = [], []
+        marlin, w16, raw = [], [], []
         os.environ[linear.DENSE_GEMM_ENV] = "marlin"
         for _ in range(copies):
             lin = bg.random_fp8_linear(N, K)
             w16.append(lin.dequantized().to(torch.bfloat16))
+            raw.append((lin.weight.data.clone(), lin.scale.data.clone()))
             lin.finalize()
             marlin.append(lin)
         for M in tokens:
             x = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-            for name, mats, call, nbytes in (
-                    ("marlin", marlin, lambda m: m(x), N * K),
-                    ("bf16", w16, lambda w: torch.nn.functional.linear(x, w), 2 * N * K)):
+            xg = torch.randn(M, G * K, device="cuda").to(torch.bfloat16)
+            paths = [("fp8_gemm", raw, lambda r: fp8_gemm.fp8_gemm(xg, r[0], r[1], G), N * K)]
+            if G == 1:
+                paths += [("marlin", marlin, lambda m: m(x), N * K),
+                          ("bf16", w16, lambda w: torch.nn.functional.linear(x, w), 2 * N * K)]
+            if M == max(tokens):  # launch-config variants of ours
+                for bn, nw, ns in ((128, 8, 3), (128, 8, 8), (64, 4, 6), (64, 4, 3)):
+                    cfg = dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+                    paths.append((f"fp8_gemm {bn}/{nw}/{ns}", raw,
+                                  lambda r, cfg=cfg: fp8_gemm._fp8_gemm_triton(xg, r[0], r[1], G, config=cfg), N * K))
+            for name, mats, call, nbytes in paths:
                 cycle = itertools.cycle(mats)
                 total, per = kernel_us(lambda: call(next(cycle)), iters)
                 report(f"{label} {N}x{K} M={M} {name}", nbytes, total, per)
-        del marlin, w16
+        del marlin, w16, raw
         torch.cuda.empty_cache()
     if env is None:
         os.environ.pop(linear.DENSE_GEMM_ENV)
