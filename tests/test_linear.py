@@ -146,8 +146,10 @@ def test_dense_gemm_backend_env(monkeypatch):
     assert dense_gemm_backend() == "bf16"
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, " Marlin ")
     assert dense_gemm_backend() == "marlin"
-    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "fp8")
-    with pytest.raises(ValueError, match="VLLM_DSV41_DENSE_GEMM='fp8'"):
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "FP8")
+    assert dense_gemm_backend() == "fp8"
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "fp4")
+    with pytest.raises(ValueError, match="VLLM_DSV41_DENSE_GEMM='fp4'"):
         dense_gemm_backend()
 
 

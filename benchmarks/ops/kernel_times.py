@@ -64,22 +64,29 @@ def section_moe(tokens: list[int], iters: int) -> None:
         x = (torch.randn(T, H, generator=g, device="cuda") * 0.5).bfloat16()
         wts, idx = torch.softmax(torch.randn(T, E, generator=g, device="cuda"), -1).topk(K, -1)
         nbytes = idx.unique().numel() * per_expert
-        variants = [("default", None)]
+        # swapab (the default kernel) with its stage counts, then the blocked kernel and its tiles
+        variants = [(f"swapab stages={st}", "swapab", None, st) for st in (6, 3, 8)]
+        variants += [("blocked", "blocked", None, None)]
         if T * K < 32 * E:  # the 16-row path (the variants pin its block size)
-            variants += [(f"bm{bm} bn{bn} bk{bk} w{nw}", dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw))
+            variants += [(f"blocked bm{bm} bn{bn} bk{bk} w{nw}", "blocked",
+                          dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw), None)
                          for bm, bn, bk, nw in ((16, 32, 128, 4), (16, 64, 256, 8), (16, 128, 128, 8),
                                                 (32, 64, 128, 8), (16, 32, 256, 4))]
-        for name, cfg in variants:
+        base_stages = mm.SWAPAB_STAGES
+        for name, kernel, cfg, stages in variants:
             if cfg is not None:
                 mm.launch_config = lambda block_m, k_in, c=cfg: dict(c)
                 mm.SMALL_BLOCK_M = cfg["BLOCK_M"]
+            if stages is not None:
+                mm.SWAPAB_STAGES = stages
             try:
-                total, per = kernel_us(lambda: mm._moe_mxfp4_triton(x, w13, s13, w2, s2, idx, wts, 10.0), iters)
+                total, per = kernel_us(lambda: mm._moe_mxfp4_triton(x, w13, s13, w2, s2, idx, wts, 10.0, kernel),
+                                       iters)
                 report(f"moe T={T} {name}", nbytes, total, per)
             except Exception as exc:  # a tile that does not fit
                 print(f"moe T={T} {name}: {type(exc).__name__}: {str(exc)[:120]}")
             finally:
-                mm.launch_config, mm.SMALL_BLOCK_M = base_cfg, base_small
+                mm.launch_config, mm.SMALL_BLOCK_M, mm.SWAPAB_STAGES = base_cfg, base_small, base_stages
 
 
 def section_dense(tokens: list[int], iters: int) -> None:

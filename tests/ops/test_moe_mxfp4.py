@@ -97,29 +97,31 @@ def test_reference_is_the_models_expert_loop():
     assert_close("moe_mxfp4_ref vs loop_moe", want, got, ratio=1e-6)
 
 
-def _kernel_vs_ref(T, H, I, E, k, device, dtype=torch.float32, limit=2.0):
+def _kernel_vs_ref(T, H, I, E, k, device, dtype=torch.float32, limit=2.0, kernel="swapab"):
     """The interpreter multiplies in fp32 (tight bound); compiled, the kernel rounds A (x, then the activation)
     to bf16 for its tensor-core dots, which the reference does for x only."""
     from vllm_dsv41.ops.moe_mxfp4 import _moe_mxfp4_triton, moe_mxfp4_ref
 
     case = make_case(T, H, I, E, k, device, seed=T + E)
     x = case[0].to(dtype)
-    got = _moe_mxfp4_triton(x, *case[1:], limit)
+    got = _moe_mxfp4_triton(x, *case[1:], limit, kernel)
     xr = x.float() if device == "cpu" else x.to(torch.bfloat16).float()
     ref = moe_mxfp4_ref(xr, *case[1:], limit)
     assert got.dtype == dtype and got.shape == (T, H)
     tight = device == "cpu" and dtype == torch.float32
-    assert_close(f"moe_mxfp4 T={T} H={H} I={I} E={E} k={k} {dtype}", ref.cpu(), got.cpu().float(),
+    assert_close(f"moe_mxfp4 ({kernel}) T={T} H={H} I={I} E={E} k={k} {dtype}", ref.cpu(), got.cpu().float(),
                  ratio=1e-5 if tight else 2e-2)
 
 
 def _interpreter_main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
-    _kernel_vs_ref(5, 64, 64, 4, 2, "cpu")
-    _kernel_vs_ref(1, 128, 64, 8, 3, "cpu")
-    _kernel_vs_ref(19, 64, 128, 3, 2, "cpu", torch.bfloat16)
-    _kernel_vs_ref(4, 96, 32, 4, 2, "cpu")  # K = 96 and 32: 32-wide K steps
-    _kernel_vs_ref(70, 64, 64, 4, 2, "cpu")  # 140 pairs over 4 experts: 64-row blocks
+    for kernel in ("swapab", "blocked"):
+        _kernel_vs_ref(5, 64, 64, 4, 2, "cpu", kernel=kernel)
+        _kernel_vs_ref(1, 128, 64, 8, 3, "cpu", kernel=kernel)
+        _kernel_vs_ref(19, 64, 128, 3, 2, "cpu", torch.bfloat16, kernel=kernel)
+        _kernel_vs_ref(4, 96, 32, 4, 2, "cpu", kernel=kernel)  # K = 96 and 32: 32-wide K steps
+        _kernel_vs_ref(70, 64, 64, 4, 2, "cpu", kernel=kernel)  # 140 pairs over 4 experts: 64-row blocks
+        _kernel_vs_ref(3, 64, 160, 2, 2, "cpu", kernel=kernel)  # N = 2I = 320 > 128: several row blocks
     return 0
 
 
@@ -145,10 +147,25 @@ def test_kernel_builds_for_sm90_without_spills(block_m, K):
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_swapab_kernel_builds_for_sm90_without_spills(block_m):
+    from vllm_dsv41.ops import moe_mxfp4 as m
+
+    sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "c_ptr": "*bf16", "ids_ptr": "*i32", "experts_ptr": "*i32",
+           "wts_ptr": "*fp32", **{n: "i32" for n in ("N", "K", "a_row_div", "n_valid", "stride_am", "stride_we",
+                                                     "stride_wn", "stride_se", "stride_sn", "stride_cm")},
+           **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "MUL_W", "BF16_DOT", "HW_FP8")}}
+    consts = {"BLOCK_M": block_m, "BLOCK_N": m.SWAPAB_BLOCK_N, "MUL_W": True, "BF16_DOT": True, "HW_FP8": True}
+    got = sm90_build(m._swapab_kernel(), sig, consts, 8, m.SWAPAB_STAGES)
+    print(f"moe_mxfp4 swapab kernel, {consts}: {got}")
+    assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
+
+
 @requires_cuda
+@pytest.mark.parametrize("kernel", ["swapab", "blocked"])
 @pytest.mark.parametrize("T", [1, 16, 64, 512, 4096])
-def test_cuda_real_sizes(T):
-    _kernel_vs_ref(T, 5120, 2304, 32, 6, "cuda", torch.bfloat16, limit=10.0)
+def test_cuda_real_sizes(T, kernel):
+    _kernel_vs_ref(T, 5120, 2304, 32, 6, "cuda", torch.bfloat16, limit=10.0, kernel=kernel)
 
 
 if __name__ == "__main__" and "--interpret" in sys.argv:

@@ -13,7 +13,17 @@ for SM90 is Marlin's (the built-in V4.1 runs it too), so a faster one is what a 
 (docs/benchmarks.md).  **Experimental**: the model uses it only with ``VLLM_DSV41_MOE=triton``; Marlin stays
 the default until ``benchmarks/ops/bench_gemm.py`` measures this kernel faster on the H200.
 
-Kernel design: the (token, slot) pairs are sorted by expert and padded to BLOCK_M rows per expert
+Two kernels share the plan below.  ``swapab`` (the default since session 9) is built like ``dsv41::fp8_gemm``:
+the expert's weight rows are the MMA's M side (``BLOCK_N`` = 128 per program) and the block's tokens its N side,
+so the decoded weights feed the MMA straight from registers; K goes in 32-input steps (16 bytes of each weight
+row, one UE8M0 scale), each E2M1 code becomes an E4M3 byte (value x 2^-6, the hardware conversion, as
+``sparse_attn``'s NVFP4 keys) and the step's fp32 partial takes the power-of-two scale (times 64), so nothing is
+rounded and no scale is broadcast over the tile; the activations are read in a pair-split order (each 32-input
+chunk's even inputs, then its odd ones: :func:`pair_split`) so the even and odd nibbles meet contiguous rows.
+Built for sm_90 without a GPU: no spills.  Its H200 time is not measured yet.  ``blocked`` (the previous kernel,
+kept for comparison) is described next.
+
+Kernel design (``blocked``): the (token, slot) pairs are sorted by expert and padded to BLOCK_M rows per expert
 (:func:`align_by_expert`, sync-free, a static size so a decode step can be captured); a program owns one
 such block and BLOCK_N output columns and walks K in BLOCK_K steps: it gathers its rows of A, loads the
 packed bytes and scales of its expert's BLOCK_N rows once, decodes the low and high nibbles (even and odd
@@ -144,9 +154,72 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, experts_ptr, wts_ptr,
                  mask=valid[:, None] & mask_n[None, :])
 
 
+def _moe_gemm_swapab_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, experts_ptr, wts_ptr,
+                            N, K, a_row_div, n_valid,
+                            stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_cm,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MUL_W: tl.constexpr,
+                            BF16_DOT: tl.constexpr, HW_FP8: tl.constexpr):
+    # a: the pair-split activations (pair_split); c[flat, n] = sum_k a[flat // a_row_div, k] * W[e, n, k]
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(experts_ptr + pid_m)
+    if e >= 0:
+        flat = tl.load(ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = flat < n_valid
+        arow = (tl.where(valid, flat, 0) // a_row_div).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        j = tl.arange(0, 16)
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn   # [BLOCK_N, 1]
+        s_rows = s_ptr + e.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn             # [BLOCK_N]
+        a_cols = a_ptr + arow[None, :] * stride_am                                                # [1, BLOCK_M]
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, 32):
+            b = tl.load(w_rows + (k0 // 2 + j)[None, :], mask=mask_n[:, None], other=0).to(tl.int32) & 255
+            a_e = tl.load(a_cols + (k0 + j)[:, None], mask=valid[None, :], other=0.0)       # even inputs [16, M]
+            a_o = tl.load(a_cols + (k0 + 16 + j)[:, None], mask=valid[None, :], other=0.0)  # odd inputs
+            # E2M1 (s, e1, e0, m) as the E4M3 byte (s, 0, 0, e1, e0, m, 0, 0): value x 2^-6, exactly
+            w_e = _e4m3_to_f32(((b & 7) << 2) | ((b & 8) << 4), HW_FP8)
+            w_o = _e4m3_to_f32(((b >> 2) & 28) | (b & 128), HW_FP8)
+            if BF16_DOT:
+                part = tl.dot(w_e.to(tl.bfloat16), a_e.to(tl.bfloat16))
+                part = tl.dot(w_o.to(tl.bfloat16), a_o.to(tl.bfloat16), part)
+            else:  # the interpreter: fp32 products of the same values
+                part = tl.dot(w_e, a_e.to(tl.float32), input_precision="ieee")
+                part = tl.dot(w_o, a_o.to(tl.float32), part, input_precision="ieee")
+            sc = tl.load(s_rows + k0 // 32, mask=mask_n, other=127).to(tl.int32)
+            acc += part * ((sc + 6) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(sc - 127) * 2^6
+        if MUL_W:
+            acc = acc * tl.load(wts_ptr + flat, mask=valid, other=0.0).to(tl.float32)[None, :]
+        tl.store(c_ptr + flat.to(tl.int64)[None, :] * stride_cm + offs_n[:, None], acc.to(c_ptr.dtype.element_ty),
+                 mask=valid[None, :] & mask_n[:, None])
+
+
 @functools.lru_cache(maxsize=None)
 def _kernels():
     return jit_with_e2m1(globals(), "_moe_gemm_kernel")
+
+
+@functools.lru_cache(maxsize=None)
+def _swapab_kernel():
+    import triton
+
+    from vllm_dsv41.ops import sparse_attn
+
+    _kernels()  # binds tl
+    globals()["_e4m3_to_f32"] = sparse_attn._e4m3_to_f32
+    return triton.jit(_moe_gemm_swapab_kernel)
+
+
+def pair_split(a: torch.Tensor) -> torch.Tensor:
+    """[M, K] -> the same values with each 32-column chunk reordered as its 16 even columns, then its 16 odd
+    ones (the order in which ``swapab`` pairs them with the weight bytes' low and high nibbles)."""
+    M, K = a.shape
+    return a.view(M, K // 32, 16, 2).transpose(2, 3).reshape(M, K)
+
+
+SWAPAB_BLOCK_N = 128
+SWAPAB_STAGES = 6
 
 
 def launch_config(block_m: int, K: int) -> dict:
@@ -159,11 +232,22 @@ def launch_config(block_m: int, K: int) -> dict:
 
 
 def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.Tensor, experts: torch.Tensor,
-                  block_m: int, a_row_div: int, n_rows: int, wts: torch.Tensor | None) -> torch.Tensor:
-    """Rows ``ids`` (flat indices < n_rows) of A[flat // a_row_div] @ W[expert]^T, times ``wts[flat]`` if given."""
+                  block_m: int, a_row_div: int, n_rows: int, wts: torch.Tensor | None,
+                  kernel: str = "swapab") -> torch.Tensor:
+    """Rows ``ids`` (flat indices < n_rows) of A[flat // a_row_div] @ W[expert]^T, times ``wts[flat]`` if given;
+    ``kernel`` ``swapab`` (default) or ``blocked`` (the previous kernel)."""
     E, N, K2 = w.shape
-    cfg = launch_config(block_m, 2 * K2)
     c = torch.empty(n_rows, N, dtype=a.dtype, device=a.device)
+    if kernel == "swapab":
+        a = pair_split(a.contiguous())
+        hw_fp8 = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
+        grid = (experts.numel(), -(-N // SWAPAB_BLOCK_N))
+        _swapab_kernel()[grid](a, w, s, c, ids, experts, wts if wts is not None else c, N, 2 * K2, a_row_div,
+                               n_rows, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
+                               BLOCK_M=block_m, BLOCK_N=SWAPAB_BLOCK_N, MUL_W=wts is not None,
+                               BF16_DOT=not interpreting(), HW_FP8=hw_fp8, num_warps=8, num_stages=SWAPAB_STAGES)
+        return c
+    cfg = launch_config(block_m, 2 * K2)
     a = a.contiguous()
     grid = (experts.numel(), -(-N // cfg["BLOCK_N"]))
     _kernels()[grid](a, w, s, c, ids, experts, wts if wts is not None else c, N, 2 * K2, a_row_div, n_rows,
@@ -173,14 +257,14 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.
 
 
 def _moe_mxfp4_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
-                      idx: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
+                      idx: torch.Tensor, wts: torch.Tensor, limit: float, kernel: str = "swapab") -> torch.Tensor:
     T, H, E, I, k = _check(x, w13, s13, w2, s2, idx, wts)
     block_m = LARGE_BLOCK_M if T * k >= LARGE_FROM * E else SMALL_BLOCK_M
     ids, experts = align_by_expert(idx, E, block_m)
     w13, s13, w2, s2 = (t.contiguous().view(torch.uint8) for t in (w13, s13, w2, s2))
-    ab = _grouped_gemm(x, w13, s13, ids, experts, block_m, k, T * k, None)
+    ab = _grouped_gemm(x, w13, s13, ids, experts, block_m, k, T * k, None, kernel)
     h = clamped_swiglu_act(ab[:, :I].float(), ab[:, I:].float(), limit).to(x.dtype)
-    y = _grouped_gemm(h, w2, s2, ids, experts, block_m, 1, T * k, wts.reshape(-1).float().contiguous())
+    y = _grouped_gemm(h, w2, s2, ids, experts, block_m, 1, T * k, wts.reshape(-1).float().contiguous(), kernel)
     return y.view(T, k, H).sum(1)
 
 
