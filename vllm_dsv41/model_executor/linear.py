@@ -239,7 +239,8 @@ class QuantLinear(nn.Module):
         return formats.dequant_fp8_block(self.weight, self.scale.view(E8M0), 32)
 
     def finalize(self) -> None:
-        """After loading, when the weight lives on CUDA: dequantise it to ``w16`` or repack it for Marlin."""
+        """After loading, when the weight lives on CUDA: dequantise it to ``w16``, repack it for Marlin, or keep the
+        FP8 bytes for ``dsv41::fp8_gemm`` (:func:`dense_gemm_backend`)."""
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         backend = dense_gemm_backend()
