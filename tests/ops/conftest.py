@@ -54,10 +54,13 @@ def run_under_interpreter(args: list[str], timeout: int = 300):
 SM90_SHARED_LIMIT = 232448
 
 
-def sm90_build(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
+def sm90_build(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
+               divisible_by_16: tuple[str, ...] | None = None) -> dict:
     """Compile a ``triton.jit`` kernel for sm_90 with Triton's own ptxas (no GPU needed) and return its
     ``regs``, ``stack`` (spilled bytes per thread) and ``shared`` (bytes per block); skip the calling test where
-    this Triton cannot (no Triton, no cuobjdump in its wheel)."""
+    this Triton cannot (no Triton, no cuobjdump in its wheel).  ``divisible_by_16``: the integer arguments a
+    launch passes as multiples of 16; with it every pointer is taken as 16-byte aligned too, as Triton's JIT
+    specialises them at a real launch (vector loads, pipelined copies)."""
     import importlib.util
     import pathlib
     import re
@@ -73,7 +76,11 @@ def sm90_build(kernel, signature: dict, constexprs: dict, num_warps: int, num_st
     tool = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not tool.exists():
         pytest.skip("this Triton wheel has no cuobjdump")
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    attrs = None
+    if divisible_by_16 is not None:
+        attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]] for n in kernel.arg_names
+                 if signature.get(n, "").startswith("*") or n in divisible_by_16}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:

@@ -56,6 +56,27 @@ def test_plan_covers_the_gpu_and_whole_k_steps():
     assert fg.plan(1, 1792, 5120, 132)["BLOCK_M"] == 16 and fg.plan(64, 1792, 5120, 132)["BLOCK_M"] == 64
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 1792, 5120), (64, 1792, 5120), (64, 32768, 1280), (16, 5120, 8192)])
+def test_kernel_builds_for_sm90_without_spills(M, N, K):
+    """The launch parameters :func:`plan` picks compile for Hopper (Triton's own ptxas, no GPU; the bench shapes'
+    alignments) with every value in registers and the weight stream pipelined through shared memory."""
+    from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
+
+    p = fg.plan(M, N, K, 132)
+    out = "*bf16" if p["SPLIT_K"] == 1 else "*fp32"
+    sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "part_ptr": out,
+           **{n: "i32" for n in ("M", "N", "K", "k_per_split", "NG", "stride_xm", "stride_wn", "stride_sn",
+                                 "stride_pm")},
+           **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "SPLIT_K", "HW_FP8", "DOT_F32")}}
+    consts = {"BLOCK_N": p["BLOCK_N"], "BLOCK_M": p["BLOCK_M"], "SPLIT_K": p["SPLIT_K"], "HW_FP8": True,
+              "DOT_F32": False}
+    got = sm90_build(fg._fp8_gemm_kernel, sig, consts, p["num_warps"], p["num_stages"],
+                     divisible_by_16=("N", "K", "k_per_split", "NG", "stride_xm", "stride_wn", "stride_pm"))
+    print(f"fp8_gemm M={M} N={N} K={K} {p}: {got}")
+    assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
+    assert got["shared"] >= (p["num_stages"] - 1) * p["BLOCK_N"] * 32, "the weight loads are not pipelined"
+
+
 # (M, N, K, groups, config override)
 INTERPRET_CASES = [
     (1, 64, 96, 1, None),

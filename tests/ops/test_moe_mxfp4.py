@@ -149,6 +149,8 @@ def test_kernel_builds_for_sm90_without_spills(block_m, K):
 
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_swapab_kernel_builds_for_sm90_without_spills(block_m):
+    """Built for Hopper as a launch at the bench shapes specialises it (aligned pointers and strides): no spills,
+    and the weight stream pipelined."""
     from vllm_dsv41.ops import moe_mxfp4 as m
 
     sig = {"a_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "c_ptr": "*bf16", "ids_ptr": "*i32", "experts_ptr": "*i32",
@@ -156,9 +158,13 @@ def test_swapab_kernel_builds_for_sm90_without_spills(block_m):
                                                      "stride_wn", "stride_se", "stride_sn", "stride_cm")},
            **{n: "constexpr" for n in ("BLOCK_M", "BLOCK_N", "MUL_W", "BF16_DOT", "HW_FP8")}}
     consts = {"BLOCK_M": block_m, "BLOCK_N": m.SWAPAB_BLOCK_N, "MUL_W": True, "BF16_DOT": True, "HW_FP8": True}
-    got = sm90_build(m._swapab_kernel(), sig, consts, 8, m.SWAPAB_STAGES)
+    got = sm90_build(m._swapab_kernel(), sig, consts, 8, m.SWAPAB_STAGES,
+                     divisible_by_16=("N", "K", "stride_am", "stride_we", "stride_wn", "stride_se", "stride_sn",
+                                      "stride_cm"))
     print(f"moe_mxfp4 swapab kernel, {consts}: {got}")
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
+    # the weight bytes (16 per row and step) go through the pipeline's shared-memory stages
+    assert got["shared"] >= (m.SWAPAB_STAGES - 1) * m.SWAPAB_BLOCK_N * 16, "the weight loads are not pipelined"
 
 
 @requires_cuda
