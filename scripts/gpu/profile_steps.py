@@ -9,6 +9,11 @@ One engine (bench checkpoint, dummy weights, our plugin), then under ``torch.pro
 then 3. one prefill of ``--prefill`` tokens; ``--host`` adds a cProfile of the host side.  Prints the top kernels of each and the wall time per decode step
 (the same difference of two runs), and writes the full tables to $OUT.
 
+Caveat (session 9): when the prompts' prefill takes several chunks, the two runs do not cancel (decode tokens of
+early requests ride in later chunks), so the batch-64 difference holds prefill-sized kernels and its wall per step
+is not the decode step's (38.5 ms here against 21.5 ms measured step by step).  ``step_timeline.py`` times the
+steps themselves, and ``--profile-decode N`` lists the kernels of pure decode steps.
+
     PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/profile_steps.py /tmp/bench
 """
 
