@@ -8,6 +8,8 @@
 #   scripts/gpu/session.sh kernels         # CUPTI kernel time per call: MoE, dense GEMMs, sparse_attn, mHC
 #   scripts/gpu/session.sh attn            # FlashMLA probes (decode on our records, sparse prefill on bf16 keys), then kernel times
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
+#   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
+#                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
 #   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merge: side_by_side.py table plugin.json builtin.json)
 #   scripts/gpu/session.sh sbs stress      # our plugin's no-crash sweep (batch 1..64, prompts up to 64k)
@@ -48,6 +50,13 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 340 python3 kernel_times.py --only sparse_attn router mhc --tokens 1 16 64) \
       > "$OUT/kernel-times.log" 2>&1
     grep -vE "^(USDT|  )|Warning" "$OUT/flashmla-probe.log" "$OUT/kernel-times.log" | cut -c1-230 | tail -150 ;;
+  paths)
+    timeout 200 python3 -m pytest -q -n 8 -p no:cacheprovider tests/ops/test_sparse_attn_gathered.py \
+      tests/ops/test_fp8_gemm.py tests/ops/test_moe_mxfp4.py > "$OUT/paths-tests.log" 2>&1
+    (cd benchmarks/ops && timeout 120 python3 flashmla_probe.py --sparse-fwd 1 64 256 && \
+      timeout 220 python3 kernel_times.py --only dense moe --tokens 1 16 64 --prefill 4096) > "$OUT/paths-times.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/paths-tests.log" | tail -12
+    grep -vE "^(USDT|  )|Warning" "$OUT/paths-times.log" | cut -c1-200 | tail -90 ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
@@ -68,5 +77,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | kernels | attn | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac
