@@ -248,15 +248,12 @@ class QuantLinear(nn.Module):
             self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
             del self.weight, self.scale
             return
-        if backend == "fp8":
-            if (self.out_features // self.groups) % 32:
-                raise ValueError(f"QuantLinear: {self.groups} groups of {self.out_features // self.groups} rows do "
-                                 "not align with 32x32 tiles")
-            self.fp8_kept = True
-            return
         rows = self.out_features // self.groups
         if rows % 32:
             raise ValueError(f"QuantLinear: {self.groups} groups of {rows} rows do not align with 32x32 tiles")
+        if backend == "fp8":
+            self.fp8_kept = True
+            return
         self.marlin = [marlin_mxfp8(self.weight.data[g * rows:(g + 1) * rows],
                                     self.scale.data[g * rows // 32:(g + 1) * rows // 32])
                        for g in range(self.groups)]
@@ -290,10 +287,13 @@ class QuantLinear(nn.Module):
         if T <= fp8_gemm.MAX_M:
             out = fp8_gemm.fp8_gemm(xb.reshape(T, -1), self.weight, self.scale, G)
             return (out if G == 1 else out.view(T, G, -1)).to(x.dtype)
-        w = self.dequantized().to(FAST_GEMM_DTYPE)
-        if G == 1:
-            return torch.nn.functional.linear(xb, w).to(x.dtype)
-        return torch.einsum("tgk,gok->tgo", xb, w.view(G, -1, self.in_features)).to(x.dtype)
+        return self._through(xb, self.dequantized().to(FAST_GEMM_DTYPE)).to(x.dtype)
+
+    def _through(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x through the plain [N, K] matrix ``w`` (same dtype), each group's slice through its rows."""
+        if self.groups == 1:
+            return x @ w.t()
+        return torch.einsum("tgk,gok->tgo", x, w.view(self.groups, -1, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
@@ -301,10 +301,7 @@ class QuantLinear(nn.Module):
         if self.fp8_kept:
             return self._fp8_forward(x)
         if self.w16 is not None:
-            xb = x.to(self.w16.dtype)
-            if G == 1:
-                return torch.nn.functional.linear(xb, self.w16).to(x.dtype)
-            return torch.einsum("tgk,gok->tgo", xb, self.w16.view(G, -1, self.in_features)).to(x.dtype)
+            return self._through(x.to(self.w16.dtype), self.w16).to(x.dtype)
         if self.marlin is not None:
             xb = x.to(FAST_GEMM_DTYPE)
             if G == 1:
@@ -312,10 +309,7 @@ class QuantLinear(nn.Module):
             if x.shape[0] * G <= self.ALL_PAIRS_MAX_ROWS:
                 return grouped_by_all_pairs(lambda a: self._marlin_gemm(a, None), xb).to(x.dtype)
             return torch.stack([self._marlin_gemm(xb[:, g].contiguous(), g) for g in range(G)], 1).to(x.dtype)
-        w = self.dequantized().to(x.dtype)
-        if G == 1:
-            return x @ w.t()
-        return torch.einsum("tgk,gok->tgo", x, w.view(G, self.out_features // G, self.in_features))
+        return self._through(x, self.dequantized().to(x.dtype))
 
 
 def concat_rows(*parts: QuantLinear) -> QuantLinear:

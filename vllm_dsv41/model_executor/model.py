@@ -374,7 +374,7 @@ class Attention(nn.Module):
         """All rows at once through ``dsv41::sparse_attn`` (inverse RoPE included)."""
         cfg, plan = self.cfg, self.plan
         pos, req = step.take(step.positions, out_tok), step.take(step.req_idx, out_tok)
-        comp_cache = comp_slots = None
+        src = comp_cache = comp_slots = None
         if plan.compress_ratio > 0:
             if plan.owns_indexer:
                 step.scratch[("topk_ids", plan.layer_id)] = self._select_ops(model, step, pos, req, xr, qr)
@@ -385,8 +385,7 @@ class Attention(nn.Module):
                     req, step.scratch[("topk_ids", plan.index_source)], src.comp_cache.flat_rows()[1:]))
             comp_cache = src.comp_cache.flat_rows()[0]
         if not in_static_step() and sparse_attn_gathered.applies(q, q.shape[0]):
-            return self._attend_gathered(step, q, pos, req, floors, src if comp_slots is not None else None,
-                                         comp_slots)
+            return self._attend_gathered(step, q, pos, req, floors, src, comp_slots)
         # prefill rows of short contexts: the kernel skips their key tiles of -1 (not inside a captured step,
         # whose launch is replayed for any context)
         skip = not in_static_step() and skip_empty_pays(q.shape[0], step.max_position, cfg.topk_fill_context)

@@ -55,6 +55,15 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def hw_fp8(t) -> bool:
+    """Whether ``t`` lives on a GPU that converts E4M3 in hardware (sm_89 and later): the kernels' ``HW_FP8``."""
+    if not t.is_cuda:
+        return False
+    import torch
+
+    return torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``, read as Triton reads it): there
     ``tl.dot`` takes no bf16 operands, so the kernels multiply in fp32."""
@@ -109,4 +118,4 @@ def launch_fitting(name: str, launch: Callable[[dict], None], configs: Iterable[
     raise RuntimeError(f"{name}: no launch config fits this GPU (tried {configs}): {error}") from error
 
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "jit_with_e2m1", "launch_fitting", "sm_count"]
+__all__ = ["triton", "tl", "HAS_TRITON", "hw_fp8", "interpreting", "jit_with_e2m1", "launch_fitting", "sm_count"]

@@ -33,7 +33,10 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import HAS_TRITON, interpreting, sm_count, tl, triton
+from vllm_dsv41.ops._triton import HAS_TRITON, hw_fp8 as _hw_fp8, interpreting, sm_count, tl, triton
+
+if HAS_TRITON:  # the record decoders of sparse_attn: E4M3 (hardware or bit by bit) and UE8M0
+    from vllm_dsv41.ops.sparse_attn import _e4m3_to_f32, _e8m0_to_f32
 
 TILE = 32
 MAX_M = 64
@@ -89,22 +92,14 @@ def _fp8_gemm_kernel(
     for k0 in range(k_begin, k_end, 32):
         wb = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 + offs_k)[None, :], mask=n_ok[:, None],
                      other=0)
-        if HW_FP8:
-            wv = wb.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:  # bit by bit (the interpreter, pre-sm89): value = significand * 2^-10
-            b = wb.to(tl.int32)
-            e = (b >> 3) & 15
-            m = b & 7
-            wv = tl.where(e == 0, 2 * m, (m | 8) << e).to(tl.float32) * 0.0009765625
-            wv = tl.where((b & 128) != 0, -wv, wv)
+        wv = _e4m3_to_f32(wb.to(tl.int32), HW_FP8)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=m_ok[None, :], other=0.0)
         if DOT_F32:
             part = tl.dot(wv, xt.to(tl.float32), input_precision="ieee")
         else:
             part = tl.dot(wv.to(tl.bfloat16), xt)
         se = tl.load(s_ptr + (offs_n // 32) * stride_sn + k0 // 32, mask=n_ok, other=127).to(tl.int32)
-        scale = tl.where(se == 0, 1 << 22, se << 23).to(tl.float32, bitcast=True)  # 2^(se - 127)
-        acc += part * scale[:, None]
+        acc += part * _e8m0_to_f32(se)[:, None]
     out_ptrs = part_ptr + pid_k * M * N + offs_m[None, :] * stride_pm + offs_n[:, None]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(part_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
@@ -156,7 +151,7 @@ def _fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, grou
     p = {**plan(M, N, K, sm_count(x.device), groups), **(config or {})}
     split = p["SPLIT_K"]
     if hw_fp8 is None:
-        hw_fp8 = x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+        hw_fp8 = _hw_fp8(x)
     part = out if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     _fp8_gemm_kernel[(-(-(N // groups) // p["BLOCK_N"]), split, groups)](
         x, w8, s8, part, M, N, K, p["k_per_split"], N // groups, x.stride(0), w8.stride(0), s8.stride(0), N,

@@ -41,7 +41,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import interpreting, sm_count
+from vllm_dsv41.ops._triton import hw_fp8, interpreting, sm_count
 from vllm_dsv41.reference.model import index_scores as _reference_index_scores
 
 __all__ = ["index_scores", "index_scores_ref"]
@@ -262,7 +262,7 @@ def _index_scores_triton(q: torch.Tensor, w: torch.Tensor, idx_cache: torch.Tens
     interp = interpreting()
     if decode is None:
         decode = os.environ.get(DECODE_ENV) or (
-            "asm" if not interp and q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 9) else "portable")
+            "asm" if not interp and hw_fp8(q) else "portable")
     if decode not in ("asm", "portable") or (decode == "asm" and interp):
         raise ValueError(f"index_scores (Triton): decode={decode!r} is not available here")
     kernel = _kernels()

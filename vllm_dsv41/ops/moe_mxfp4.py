@@ -46,7 +46,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import interpreting, jit_with_e2m1
+from vllm_dsv41.ops._triton import hw_fp8, interpreting, jit_with_e2m1
 from vllm_dsv41.reference.model import clamped_swiglu_act
 
 __all__ = ["moe_mxfp4", "moe_mxfp4_ref", "align_by_expert"]
@@ -188,7 +188,7 @@ def _moe_gemm_swapab_kernel(a_ptr, w_ptr, s_ptr, c_ptr, ids_ptr, experts_ptr, wt
                 part = tl.dot(w_e, a_e.to(tl.float32), input_precision="ieee")
                 part = tl.dot(w_o, a_o.to(tl.float32), part, input_precision="ieee")
             sc = tl.load(s_rows + k0 // 32, mask=mask_n, other=127).to(tl.int32)
-            acc += part * ((sc + 6) << 23).to(tl.float32, bitcast=True)[:, None]  # 2^(sc - 127) * 2^6
+            acc += part * (_e8m0_to_f32(sc) * 64.0)[:, None]  # 64 undoes the 2^-6 of the E4M3 read
         if MUL_W:
             acc = acc * tl.load(wts_ptr + flat, mask=valid, other=0.0).to(tl.float32)[None, :]
         tl.store(c_ptr + flat.to(tl.int64)[None, :] * stride_cm + offs_n[:, None], acc.to(c_ptr.dtype.element_ty),
@@ -208,6 +208,7 @@ def _swapab_kernel():
 
     _kernels()  # binds tl
     globals()["_e4m3_to_f32"] = sparse_attn._e4m3_to_f32
+    globals()["_e8m0_to_f32"] = sparse_attn._e8m0_to_f32
     return triton.jit(_moe_gemm_swapab_kernel)
 
 
@@ -240,12 +241,11 @@ def _grouped_gemm(a: torch.Tensor, w: torch.Tensor, s: torch.Tensor, ids: torch.
     c = torch.empty(n_rows, N, dtype=a.dtype, device=a.device)
     if kernel == "swapab":
         a = pair_split(a.contiguous())
-        hw_fp8 = a.is_cuda and torch.cuda.get_device_capability(a.device) >= (8, 9)
         grid = (experts.numel(), -(-N // SWAPAB_BLOCK_N))
         _swapab_kernel()[grid](a, w, s, c, ids, experts, wts if wts is not None else c, N, 2 * K2, a_row_div,
                                n_rows, a.stride(0), w.stride(0), w.stride(1), s.stride(0), s.stride(1), c.stride(0),
                                BLOCK_M=block_m, BLOCK_N=SWAPAB_BLOCK_N, MUL_W=wts is not None,
-                               BF16_DOT=not interpreting(), HW_FP8=hw_fp8, num_warps=8, num_stages=SWAPAB_STAGES)
+                               BF16_DOT=not interpreting(), HW_FP8=hw_fp8(a), num_warps=8, num_stages=SWAPAB_STAGES)
         return c
     cfg = launch_config(block_m, 2 * K2)
     a = a.contiguous()

@@ -62,7 +62,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, triton_available
-from vllm_dsv41.ops._triton import launch_fitting, sm_count
+from vllm_dsv41.ops._triton import hw_fp8 as _hw_fp8, launch_fitting, sm_count
 from vllm_dsv41.reference.model import apply_rope, sparse_attention
 
 try:  # Triton is optional: the CPU wheels run the reference only
@@ -593,7 +593,7 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
     pair_io = (q.dtype == torch.bfloat16 and q.stride(0) % 2 == 0 and q.stride(1) % 2 == 0
                and q.data_ptr() % 4 == 0 and out.data_ptr() % 4 == 0)
     if hw_fp8 is None:
-        hw_fp8 = q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 9)
+        hw_fp8 = _hw_fp8(q)
     # The interpreter's dot multiplies the raw bits of bf16 operands (Triton 3.9), so there the dots
     # run in fp32 on the same bf16-rounded operands (products of bf16 values are exact in fp32).
     dot_f32 = q.dtype == torch.float32 or not q.is_cuda

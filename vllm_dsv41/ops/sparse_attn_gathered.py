@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_dsv41 import formats
+from vllm_dsv41.ops.sparse_attn import _decoded_union
 from vllm_dsv41.reference.model import sparse_attention
 
 ENV = "VLLM_DSV41_PREFILL_ATTN"
@@ -81,20 +82,14 @@ def sparse_fwd_ref(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, sca
     sink; computed in float64 by the reference's ``sparse_attention`` (the tests' kernel on CPU)."""
     T, S = q.shape[0], kv.shape[0]
     idx = indices[:, 0].long()
-    ok = (idx >= 0) & (idx < S)
+    idx = torch.where(idx < S, idx, -1)
     out = torch.zeros(T, q.shape[1], d_v, dtype=torch.float32, device=q.device)
     sink = attn_sink.float() if attn_sink is not None else torch.full((q.shape[1],), float("-inf"))
     for lo in range(0, T, 64):
         hi = min(lo + 64, T)
-        sel = idx[lo:hi][ok[lo:hi]]
-        if sel.numel() == 0:
-            continue
-        uniq = torch.unique(sel)
-        col = torch.where(ok[lo:hi], torch.searchsorted(uniq, idx[lo:hi].clamp(min=0).contiguous()), uniq.numel())
-        mask = torch.zeros(hi - lo, uniq.numel() + 1, dtype=torch.bool, device=q.device)
-        mask.scatter_(1, col, True)
-        keys = kv[uniq, 0].float()
-        out[lo:hi] = sparse_attention(q[lo:hi].float(), keys, mask[:, :-1], sink, scale)[..., :d_v]
+        keys, mask = _decoded_union(kv[:, 0], idx[lo:hi], lambda rows: rows.float())
+        if keys.shape[0]:
+            out[lo:hi] = sparse_attention(q[lo:hi].float(), keys, mask, sink, scale)[..., :d_v]
     return (out.to(q.dtype),)
 
 
