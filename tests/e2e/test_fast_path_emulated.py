@@ -103,6 +103,7 @@ def _layout(m, dtype: torch.dtype) -> dict:
         "q_dtype": {a.q_dtype for a in attn} == {dtype},
         "wqkv_a fused": all(a.wqkv_a is not None for a in attn),
         "wo_a all rows": all((a.wo_a.marlin_all is not None) == (a.wo_a.marlin is not None) for a in attn),
+        "router weight in dtype": all(f.gate.weight.dtype == dtype for f in ffn),
         "experts stacked": all(f.marlin is not None or f.mxfp4 is not None for f in ffn),
         "moe": "marlin" if all(f.marlin is not None for f in ffn) else "triton",
         # the MXFP4 stack that prefills of VLLM_DSV41_MOE_BF16_FROM (default 2048) tokens decode to bf16
@@ -114,7 +115,7 @@ def _layout(m, dtype: torch.dtype) -> dict:
 
 def fast_layout(gemm: str, moe: str = "marlin") -> dict:
     return {"cuda_fast": True, "dense gemm": gemm, "bf16 weights in dtype": True, "q_dtype": True, "wqkv_a fused": True,
-            "wo_a all rows": True, "experts stacked": True, "moe": moe, "prefill bf16 stack": True, "shared w13": True,
+            "wo_a all rows": True, "router weight in dtype": True, "experts stacked": True, "moe": moe, "prefill bf16 stack": True, "shared w13": True,
             "head": True}
 
 

@@ -104,18 +104,25 @@ def test_gathered_keys_are_the_records_exactly():
         assert torch.equal(keys[plan.rows[0].long()].float(), dec(rec, 512))
 
 
-def test_applies_only_when_asked_on_a_gpu(monkeypatch):
+def test_applies_by_default_on_a_gpu_unless_switched_off(monkeypatch):
     q = torch.zeros(512, 64, 512, dtype=torch.bfloat16)
     monkeypatch.delenv(sag.ENV, raising=False)
-    assert not sag.applies(q, 512)
-    monkeypatch.setenv(sag.ENV, "flashmla")
     assert not sag.applies(q, 512)  # a CPU tensor: no FlashMLA here
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert not sag.applies(q, 512) or sag.flashmla_sparse_fwd() is not None  # not importable on the CPU wheel
     monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
-    assert sag.applies(q, 512)
+    assert sag.applies(q, 512)                                        # the default (auto)
+    for value in ("flashmla", "auto", "AUTO "):
+        monkeypatch.setenv(sag.ENV, value)
+        assert sag.applies(q, 512), value
     assert not sag.applies(q, sag.MIN_ROWS - 1)                       # decode-sized steps
     assert not sag.applies(q.float(), 512)                            # the kernel takes bf16 q
     assert not sag.applies(torch.zeros(512, 16, 512, dtype=torch.bfloat16), 512)  # 16 heads (TP 4)
+    monkeypatch.setenv(sag.ENV, "sparse_attn")
+    assert not sag.applies(q, 512)                                    # switched off
+    monkeypatch.setenv(sag.ENV, "flash_mla")
+    with pytest.raises(ValueError, match="VLLM_DSV41_PREFILL_ATTN='flash_mla'"):
+        sag.applies(q, 512)
 
 
 @requires_cuda

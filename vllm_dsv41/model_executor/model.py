@@ -395,10 +395,10 @@ class Attention(nn.Module):
 
     def _attend_gathered(self, step: Step, q: torch.Tensor, pos: torch.Tensor, req: torch.Tensor,
                          floors: torch.Tensor, src, comp_slots: torch.Tensor | None) -> torch.Tensor:
-        """Prefill rows through FlashMLA's sparse prefill kernel on gathered bf16 keys (``ops.sparse_attn_gathered``,
-        ``VLLM_DSV41_PREFILL_ATTN=flashmla``).  The gather plans are made once per slot list and step: the SWA
-        one is shared by the layers of a group when the rows are the step's own, the compressed one by the
-        consumers of a selection."""
+        """Prefill rows through FlashMLA's sparse prefill kernel on gathered bf16 keys (``ops.sparse_attn_gathered``;
+        the default where it applies, ``VLLM_DSV41_PREFILL_ATTN=sparse_attn`` switches it off).  The gather plans
+        are made once per slot list and step: the SWA one is shared by the layers of a group when the rows are the
+        step's own, the compressed one by the consumers of a selection."""
         plan = self.plan
         swa_flat, bstep, rstep = self.swa_cache.flat_rows()
         swa_slots = self._swa_slots(step, pos, req, floors)
@@ -483,9 +483,13 @@ class SharedExpert(nn.Module):
 
 
 class Gate(nn.Module):
-    def __init__(self, n_experts: int, hidden: int):
+    """Router weight in the checkpoint's bf16 on the fast path (``dsv41::router`` splits the fp32 input into
+    three bf16 parts for tensor cores; an fp32 weight sends it to the FMA dot: 27.8 µs a launch in a batch-64
+    decode step against 7.6 µs for the bf16 weight alone, docs/benchmarks.md session 10), bias fp32."""
+
+    def __init__(self, n_experts: int, hidden: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = _param(n_experts, hidden)
+        self.weight = nn.Parameter(torch.zeros(n_experts, hidden, dtype=dtype), requires_grad=False)
         self.bias = _param(n_experts)
 
 
@@ -496,7 +500,7 @@ class MoE(nn.Module):
         super().__init__()
         H, I = cfg.hidden_size, cfg.moe_intermediate_size
         self.k, self.scale, self.limit = plan.experts_per_tok, float(cfg.routed_scaling_factor), float(cfg.swiglu_limit)
-        self.gate = Gate(plan.n_routed_experts, H)
+        self.gate = Gate(plan.n_routed_experts, H, wf.dense_dtype)
         self.experts = nn.ModuleList(Expert(H, I, wf.quant) for _ in range(plan.n_routed_experts))
         self.shared_experts = SharedExpert(H, I * cfg.n_shared_experts, wf.quant, self.limit)
         self.marlin: tuple[torch.Tensor, ...] | None = None  # stacked MXFP4 experts (quantised, CUDA)
@@ -518,7 +522,7 @@ class MoE(nn.Module):
         if ops:
             idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
         else:
-            idx, wts = route(x, self.gate.weight, self.gate.bias, self.k, self.scale)
+            idx, wts = route(x, self.gate.weight.to(x.dtype), self.gate.bias, self.k, self.scale)
         if self.marlin is not None or self.mxfp4 is not None:
             # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
             xb = x.to(self.act_dtype)
@@ -732,6 +736,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.cfg = from_hf_config(vllm_config.model_config.hf_config)
         self.bounded_replay = not exact_mode()
         self.ops_mode = ops_mode()
+        sparse_attn_gathered.mode()  # a misspelt VLLM_DSV41_PREFILL_ATTN fails the engine start, not a request
         cfg = self.cfg
         self.weights = WeightFormat.choose(exact_mode())
         wf = self.weights

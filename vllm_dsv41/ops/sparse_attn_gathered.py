@@ -15,9 +15,12 @@ Same maths and arguments as ``dsv41::sparse_attn`` (:mod:`vllm_dsv41.ops.sparse_
    (``benchmarks/ops/flashmla_probe.py``), hence the workspace.
 4. **Inverse RoPE** of the output (``dsv41::rope`` at the negated positions).
 
-Status: the speed of step 3 on our shapes is for ``flashmla_probe.py --sparse-fwd`` to say; until measured the
-model takes this path only when ``VLLM_DSV41_PREFILL_ATTN=flashmla``.  On CPU (tests) ``kernel`` is
-:func:`sparse_fwd_ref`, a float64 stand-in with the kernel's contract.
+Why (H200, docs/benchmarks.md session 10): at 4,096 prefill rows FlashMLA's kernel took 654 µs against
+``sparse_attn``'s 2,752 on the records; end to end, with the gather, a 32k prompt's prefill went from 1.70 to
+1.54 s.  So it is the default for prefill-sized steps where it applies (``VLLM_DSV41_PREFILL_ATTN=auto``);
+``sparse_attn`` keeps decode (the gather would copy every row's keys) and is the comparison path
+(``VLLM_DSV41_PREFILL_ATTN=sparse_attn``).  On CPU (tests) ``kernel`` is :func:`sparse_fwd_ref`, a float64
+stand-in with the kernel's contract.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from vllm_dsv41.ops.sparse_attn import _decoded_union
 from vllm_dsv41.reference.model import sparse_attention
 
 ENV = "VLLM_DSV41_PREFILL_ATTN"
-"""``flashmla``: prefill rows go through this path where it applies (:func:`applies`); else ``sparse_attn``."""
+"""``auto`` (default) or ``flashmla``: prefill rows go through this path where it applies (:func:`applies`);
+``sparse_attn``: every row through ``dsv41::sparse_attn``."""
+MODES = ("auto", "flashmla", "sparse_attn")
 MIN_ROWS = 256
 """Steps with fewer attention rows (decode) keep ``sparse_attn``."""
 INDEX_ALIGN = 128
@@ -103,11 +108,19 @@ def flashmla_sparse_fwd():
     return flash_mla_sparse_fwd
 
 
+def mode() -> str:
+    """``VLLM_DSV41_PREFILL_ATTN``, checked (a misspelt value is an error, not a silent fallback)."""
+    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"{ENV}={m!r}: expected one of {', '.join(MODES)}")
+    return m
+
+
 def applies(q: torch.Tensor, rows: int) -> bool:
-    """Whether the model sends these attention rows here: asked for (``VLLM_DSV41_PREFILL_ATTN=flashmla``), a
+    """Whether the model sends these attention rows here: not switched off (``VLLM_DSV41_PREFILL_ATTN``), a
     prefill-sized step, bf16 q of 512 dims and a head count the kernel takes, on a GPU where it imports."""
-    return (os.environ.get(ENV, "") == "flashmla" and rows >= MIN_ROWS and q.is_cuda and q.dtype == torch.bfloat16
-            and q.shape[-1] == 512 and q.shape[1] in FLASHMLA_HEADS and flashmla_sparse_fwd() is not None)
+    return (rows >= MIN_ROWS and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 512
+            and q.shape[1] in FLASHMLA_HEADS and mode() != "sparse_attn" and flashmla_sparse_fwd() is not None)
 
 
 def combined_indices(swa_plan: GatherPlan, comp_plan: GatherPlan | None, n_swa_rows: int) -> torch.Tensor:
