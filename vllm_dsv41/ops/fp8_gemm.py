@@ -23,8 +23,9 @@ the FP8 bytes and is built for few tokens:
   kernel) so that narrow weights (N = 1,792) still cover the SMs.
 
 Numerics: the products and scales are exact; the sums are fp32 in another order than cuBLAS's, so results
-match the bf16 path to fp32 summation rounding, then bf16.  Status: the H200's time for it is not measured
-yet (``benchmarks/ops/kernel_times.py --only dense``); the model uses it with ``VLLM_DSV41_DENSE_GEMM=fp8``.
+match the bf16 path to fp32 summation rounding, then bf16.  Status (H200, docs/benchmarks.md session 10): 9-37% of
+the bandwidth, slower than cuBLAS on the bf16 copy at every decode size (e.g. ``wo_b`` at 64 tokens 53.2 against
+27.7 µs); the model uses it only with ``VLLM_DSV41_DENSE_GEMM=fp8``.
 """
 
 from __future__ import annotations

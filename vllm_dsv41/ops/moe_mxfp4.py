@@ -20,7 +20,8 @@ row, one UE8M0 scale), each E2M1 code becomes an E4M3 byte (value x 2^-6, the ha
 ``sparse_attn``'s NVFP4 keys) and the step's fp32 partial takes the power-of-two scale (times 64), so nothing is
 rounded and no scale is broadcast over the tile; the activations are read in a pair-split order (each 32-input
 chunk's even inputs, then its odd ones: :func:`pair_split`) so the even and odd nibbles meet contiguous rows.
-Built for sm_90 without a GPU: no spills.  Its H200 time is not measured yet.  ``blocked`` (the previous kernel,
+Built for sm_90 without a GPU: no spills.  On the H200 it takes ~3x Marlin's time (933 against 304 µs at 64 tokens,
+docs/benchmarks.md session 10), half the ``blocked`` kernel's.  ``blocked`` (the previous kernel,
 kept for comparison) is described next.
 
 Kernel design (``blocked``): the (token, slot) pairs are sorted by expert and padded to BLOCK_M rows per expert
