@@ -1,5 +1,7 @@
 """The weight-holding layers of ``model_executor/linear.py`` on CPU (the GPU side: tests/gpu/test_marlin_weights.py)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -170,7 +172,6 @@ def test_moe_takes_the_bf16_path_from_the_threshold(monkeypatch):
     kernel (``moe_mxfp4`` with ``VLLM_DSV41_MOE=triton``; its CPU op is the reference); both give the expert loop."""
     from vllm_dsv41.model_executor import model as m
     from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
-    from tests.ops.test_moe_mxfp4 import experts_from_stack, make_case
 
     monkeypatch.setattr(m, "on_fast_device", lambda t: True)
     monkeypatch.setenv(linear.MOE_ENV, "triton")
@@ -182,7 +183,23 @@ def test_moe_takes_the_bf16_path_from_the_threshold(monkeypatch):
         return moe_mxfp4_ref(x, *stack, idx, wts, limit)
 
     monkeypatch.setattr(m, "bf16_moe", fake_bf16_moe)
-    H, I, E, k = 64, 64, 4, 2
+    moe, experts = _cpu_moe(m)
+    moe.finalize()
+    assert moe.bf16_from == 8 and moe.mxfp4 is not None and not hasattr(moe, "experts")
+    for T in (3, 8, 20):
+        x = torch.randn(T, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(T))
+        idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, moe.k, 1.0)
+        want = linear.loop_moe(x, experts, idx, wts, 2.0)
+        got = moe(x)
+        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    assert calls == [8, 20]
+
+
+def _cpu_moe(m, H: int = 64, I: int = 64, E: int = 4, k: int = 2):
+    """A quantised MoE layer (random MXFP4 experts, a zero shared expert, limit 2) built without a config, and its
+    experts; ``finalize`` is left to the test."""
+    from tests.ops.test_moe_mxfp4 import experts_from_stack, make_case
+
     moe = m.MoE.__new__(m.MoE)
     torch.nn.Module.__init__(moe)
     moe.k, moe.scale, moe.limit, moe.act_dtype = k, 1.0, 2.0, torch.float32
@@ -191,13 +208,67 @@ def test_moe_takes_the_bf16_path_from_the_threshold(monkeypatch):
     _, w13, s13, w2, s2, _, _ = make_case(1, H, I, E, k)
     experts = moe.experts = experts_from_stack(w13, s13, w2, s2)
     moe.shared_experts = lambda x: torch.zeros_like(x)
-    moe.marlin, moe.mxfp4 = None, None
+    moe.marlin, moe.mxfp4, moe.ogs = None, None, None
+    return moe, experts
+
+
+def test_moe_backend_env(monkeypatch):
+    monkeypatch.delenv(linear.MOE_ENV, raising=False)
+    assert linear.moe_backend() == "marlin"
+    for v, want in ((" OGS ", "ogs"), ("triton", "triton")):
+        monkeypatch.setenv(linear.MOE_ENV, v)
+        assert linear.moe_backend() == want
+    monkeypatch.setenv(linear.MOE_ENV, "ogz")
+    with pytest.raises(ValueError, match="VLLM_DSV41_MOE='ogz': expected marlin, triton or ogs"):
+        linear.moe_backend()
+
+
+@pytest.mark.parametrize("version,why", [(None, "does not import"), ("3.8", "no matmul_ogs")])
+def test_ogs_needs_triton_kernels_at_engine_start(version, why, monkeypatch):
+    """Without a ``triton_kernels`` that has ``matmul_ogs`` (the CPU wheel ships none), ``VLLM_DSV41_MOE=ogs`` fails
+    where the experts are stacked, in the MoE layer's ``finalize`` (engine start), naming the variable."""
+    from vllm.utils import import_utils
+
+    from vllm_dsv41.model_executor import model as m
+
+    monkeypatch.setattr(import_utils, "get_triton_kernels_version", lambda: version)
+    monkeypatch.setattr(m, "on_fast_device", lambda t: True)
+    monkeypatch.setenv(linear.MOE_ENV, "ogs")
+    moe, experts = _cpu_moe(m)
+    msg = f"VLLM_DSV41_MOE=ogs needs the triton_kernels .*{why}"
+    with pytest.raises(RuntimeError, match=msg):
+        linear.ogs_expert_stack(experts)
+    with pytest.raises(RuntimeError, match=msg):
+        moe.finalize()
+
+
+def test_moe_takes_the_ogs_path_in_and_out_of_static_steps(monkeypatch):
+    """``VLLM_DSV41_MOE=ogs`` on the fast device (seam patched): ``finalize`` builds only the ogs stack (no Marlin, no
+    bf16 prefill stack with ``VLLM_DSV41_MOE_BF16_FROM=0``) and every forward, captured decode steps included (its
+    routing reads nothing on the host), goes through ``ogs_moe`` (here the MXFP4 reference on the stacked bytes)."""
+    from vllm_dsv41.model_executor import graphs
+    from vllm_dsv41.model_executor import model as m
+    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
+
+    monkeypatch.setattr(m, "on_fast_device", lambda t: True)
+    monkeypatch.setenv(linear.MOE_ENV, "ogs")
+    monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "0")
+    monkeypatch.setattr(m, "ogs_expert_stack", linear.mxfp4_expert_stack)
+    calls = []
+
+    def fake_ogs_moe(x, stack, idx, wts, limit):
+        calls.append(x.shape[0])
+        return moe_mxfp4_ref(x, *stack, idx, wts, limit)
+
+    monkeypatch.setattr(m, "ogs_moe", fake_ogs_moe)
+    moe, experts = _cpu_moe(m)
     moe.finalize()
-    assert moe.bf16_from == 8 and moe.mxfp4 is not None and not hasattr(moe, "experts")
-    for T in (3, 8, 20):
-        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T))
-        idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, k, 1.0)
+    assert moe.ogs is not None and moe.marlin is None and moe.mxfp4 is None and not hasattr(moe, "experts")
+    for T, static in ((3, False), (4, True)):
+        x = torch.randn(T, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(T))
+        idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, moe.k, 1.0)
         want = linear.loop_moe(x, experts, idx, wts, 2.0)
-        got = moe(x)
+        with graphs._static_step() if static else contextlib.nullcontext():
+            got = moe(x)
         assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
-    assert calls == [8, 20]
+    assert calls == [3, 4]

@@ -9,9 +9,10 @@ captured decode step does not pay it.  Here each op runs ``--iters`` times eager
 graph replay of the op would take, minus the gaps between kernels.  One line per (op, size, variant), with the
 kernels named and the bytes an ideal kernel moves.  Sections: ``moe`` (``dsv41::moe_mxfp4``, Triton, E 32,
 top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16, bf16 cuBLAS and our ``dsv41::fp8_gemm``
-at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``sparse_attn`` (decode and prefill cases of
-bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
-model's dtype).  Image torch + Triton suffice for all but ``dense``.  Not collected by pytest.
+at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``triton_kernels``' ``matmul_ogs``
+MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
+``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
+model's dtype).  Image torch + Triton suffice for all but ``dense`` and ``moe_ogs``.  Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -145,6 +146,43 @@ def section_dense(tokens: list[int], iters: int) -> None:
         report(f"marlin moe T={T}", idx.unique().numel() * per_expert, total, per)
 
 
+def section_moe_ogs(tokens: list[int], iters: int) -> None:
+    """``VLLM_DSV41_MOE=ogs`` (``matmul_ogs``) against the default Marlin MXFP4 MoE on the same random MXFP4 experts,
+    then both against the fp32 expert loop over the dequantised weights at T=64 (relative error)."""
+    import bench_gemm as bg
+
+    from vllm_dsv41.model_executor import linear
+
+    experts = bg.random_experts()
+    limit = 10.0
+    paths = [("marlin", linear.marlin_moe, linear.marlin_expert_stack(experts))]
+    try:
+        paths.insert(0, ("ogs", linear.ogs_moe, linear.ogs_expert_stack(experts)))
+    except Exception as exc:
+        print(f"moe_ogs: no ogs stack: {type(exc).__name__}: {str(exc)[:200]}")
+    per_expert = 3 * bg.H * bg.I // 2 + 3 * bg.H * bg.I // 32
+    print(f"\nmatmul_ogs MoE vs Marlin MoE: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}; MB = the MXFP4 weights and "
+          "scales of the experts hit, read once")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in tokens:
+        x = (torch.randn(T, bg.H, generator=g, device="cuda") * 2).bfloat16()
+        wts, idx = torch.softmax(torch.randn(T, bg.E, generator=g, device="cuda"), -1).topk(bg.TOPK, -1)
+        nbytes = idx.unique().numel() * per_expert
+        errs = []
+        for name, fn, stack in paths:
+            try:
+                total, per = kernel_us(lambda: fn(x, stack, idx, wts, limit), iters)
+                report(f"moe T={T} {name}", nbytes, total, per)
+                if T == 64:
+                    ref = linear.loop_moe(x.float(), experts, idx, wts, limit)
+                    err = (fn(x, stack, idx, wts, limit).float() - ref).norm() / ref.norm()
+                    errs.append(f"{name} {err.item():.2e}")
+            except Exception as exc:
+                print(f"moe T={T} {name}: {type(exc).__name__}: {str(exc)[:160]}")
+        if errs:
+            print(f"moe T={T} relative error vs the fp32 dequantised experts: {', '.join(errs)}")
+
+
 def short_prompt_case(bsa, T: int) -> dict:
     """A prompt's prefill from position 0: windows and compressed lists fill up along it (-1 padded, as the
     model lists them), the case where ``sparse_attn``'s ``skip_empty`` pays."""
@@ -254,6 +292,8 @@ def main() -> int:
             section_sparse_attn(a.tokens, a.prefill, a.iters)
         elif name == "dense":
             section_dense(a.tokens, a.iters)
+        elif name == "moe_ogs":
+            section_moe_ogs(sorted(set(a.tokens) | {512, 4096}), a.iters)
         elif name == "mhc":
             section_mhc(a.tokens + a.prefill, a.iters)
         elif name == "router":

@@ -10,6 +10,8 @@
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
+#   scripts/gpu/session.sh ogs             # VLLM_DSV41_MOE=ogs (triton_kernels' matmul_ogs MoE): its CUDA test, then
+#                                          # its kernel times against Marlin's and both errors (kernel_times moe_ogs)
 #   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merge: side_by_side.py table plugin.json builtin.json)
 #   scripts/gpu/session.sh sbs stress      # our plugin's no-crash sweep (batch 1..64, prompts up to 64k)
@@ -57,6 +59,11 @@ case "${1:-}" in
       timeout 220 python3 kernel_times.py --only dense moe --tokens 1 16 64 --prefill 4096) > "$OUT/paths-times.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/paths-tests.log" | tail -12
     grep -vE "^(USDT|  )|Warning" "$OUT/paths-times.log" | cut -c1-200 | tail -90 ;;
+  ogs)
+    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_ogs_moe.py -m gpu > "$OUT/ogs-tests.log" 2>&1
+    (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only moe_ogs --tokens 1 16 64) > "$OUT/ogs-times.log" 2>&1
+    grep -E "passed|failed|FAILED|Error|rel err|rel diff" "$OUT/ogs-tests.log" | tail -20
+    grep -vE "^(USDT|  )|Warning" "$OUT/ogs-times.log" | cut -c1-200 | tail -40 ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
@@ -77,5 +84,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac

@@ -15,7 +15,9 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
   stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
   Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
   (:func:`marlin_moe`), or with ``VLLM_DSV41_MOE=triton`` (:func:`moe_backend`, experimental) through our
-  ``dsv41::moe_mxfp4`` on the stacked bytes (:func:`mxfp4_expert_stack`); forwards of
+  ``dsv41::moe_mxfp4`` on the stacked bytes (:func:`mxfp4_expert_stack`), or with ``VLLM_DSV41_MOE=ogs``
+  through OpenAI's ``matmul_ogs`` from the ``triton_kernels`` that vLLM vendors (:func:`ogs_expert_stack`,
+  :func:`ogs_moe`: vLLM's Triton MXFP4 MoE for gpt-oss on Hopper); forwards of
   ``VLLM_DSV41_MOE_BF16_FROM`` tokens or more (prefill) decode those bytes to bf16 for vLLM's Triton fused
   MoE (:func:`bf16_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
   reference; :func:`masked_moe` inside captured decode steps, where the host may not read the routing).
@@ -70,10 +72,11 @@ def dense_gemm_backend() -> str:
 
 def moe_backend() -> str:
     """``VLLM_DSV41_MOE``: the routed experts on the fast CUDA path - ``marlin`` (default; vLLM's Marlin MXFP4
-    fused MoE) or ``triton`` (experimental: ``dsv41::moe_mxfp4`` on the checkpoint's own MXFP4 bytes)."""
+    fused MoE), ``triton`` (experimental: ``dsv41::moe_mxfp4`` on the checkpoint's own MXFP4 bytes) or ``ogs``
+    (experimental: ``triton_kernels``' ``matmul_ogs`` on those bytes, swizzled once at load)."""
     v = os.environ.get(MOE_ENV, "marlin").strip().lower() or "marlin"
-    if v not in ("marlin", "triton"):
-        raise ValueError(f"{MOE_ENV}={v!r}: expected marlin or triton")
+    if v not in ("marlin", "triton", "ogs"):
+        raise ValueError(f"{MOE_ENV}={v!r}: expected marlin, triton or ogs")
     return v
 
 
@@ -396,6 +399,61 @@ def marlin_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tens
                          quant_type_id=scalar_types.float4_e2m1f.id, activation=MoEActivation.SILU,
                          activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
     return y.to(x.dtype)
+
+
+def _require_matmul_ogs() -> None:
+    """Fail unless ``triton_kernels`` with ``matmul_ogs`` (the 3.5.1 / 3.6 API vLLM's CUDA wheel vendors under
+    ``vllm/third_party``) imports; importing it through vLLM also registers it as ``triton_kernels``."""
+    from vllm.utils import import_utils
+
+    version = import_utils.get_triton_kernels_version()
+    if version not in ("3.5.1", "3.6"):
+        found = "it does not import" if version is None else f"found the {version} API, which has no matmul_ogs"
+        raise RuntimeError(f"{MOE_ENV}=ogs needs the triton_kernels (matmul_ogs) that vLLM's CUDA wheel ships "
+                           f"(vllm/third_party/triton_kernels); {found}")
+
+
+def ogs_expert_stack(experts: nn.ModuleList) -> tuple:
+    """Quantised :class:`Expert` s on CUDA -> (w13, w2, w13 precision, w2 precision) for ``matmul_ogs``: the stacked
+    checkpoint bytes (:func:`mxfp4_expert_stack`, w13 = [w1; w3]) put into the Hopper value / scale layouts by
+    vLLM's ``_swizzle_mxfp4`` (which also pins ``split_k=1`` on Hopper), the UE8M0 scales carried by
+    ``PrecisionConfig``.  The bytes go in as stored: triton_kernels, like the checkpoint, packs the lower-indexed
+    E2M1 element in the low nibble."""
+    _require_matmul_ogs()
+    from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
+    from vllm.model_executor.layers.quantization.utils.mxfp4_utils import _swizzle_mxfp4, mx_scale_kwargs
+
+    w13, s13, w2, s2 = mxfp4_expert_stack(experts)
+    w13, flex13, s13 = _swizzle_mxfp4(w13, s13)
+    w2, flex2, s2 = _swizzle_mxfp4(w2, s2)
+    return (w13, w2, PrecisionConfig(**mx_scale_kwargs(s13), flex_ctx=FlexCtx(rhs_data=flex13)),
+            PrecisionConfig(**mx_scale_kwargs(s2), flex_ctx=FlexCtx(rhs_data=flex2)))
+
+
+def ogs_moe(x: torch.Tensor, stack: tuple, idx: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
+    """Routed experts through ``matmul_ogs`` (:func:`ogs_expert_stack`): x [T, H], idx [T, k], wts [T, k] -> [T, H]
+    in x's dtype.  vLLM's ``make_routing_data`` sorts the T*k rows by expert on the device (no host sync: the
+    grids follow T and k only), the first GEMM gathers x's rows into that order, the clamped SwiGLU runs on those
+    rows as they are, the second GEMM scales each row by its routing weight (bf16: vLLM's routing data casts
+    them) and scatters it back to (token, slot) order, ``moe_sum`` adds the k slots."""
+    from triton_kernels.matmul_ogs import matmul_ogs
+    from vllm import _custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.activation import silu_and_mul_with_clamp
+    from vllm.model_executor.layers.fused_moe.experts.gpt_oss_triton_kernels_moe import make_routing_data
+
+    w13, w2, pc13, pc2 = stack
+    T, k = idx.shape
+    # importing vLLM's module above also patched triton_kernels' routing for a top-k that is not a power of 2 (6)
+    routing, gather, scatter = make_routing_data(idx, wts, w13.shape[0])
+    h = matmul_ogs(x.to(FAST_GEMM_DTYPE).contiguous(), w13, None, routing, gather_indx=gather,
+                   precision_config=pc13)  # [T*k, 2I], rows grouped by expert
+    act = h.new_empty(h.shape[0], h.shape[1] // 2)
+    silu_and_mul_with_clamp(act, h, limit)
+    routing.n_expts_act = 1  # each row lands in its own (token, slot) row; moe_sum reduces them
+    y = matmul_ogs(act, w2, None, routing, scatter_indx=scatter, precision_config=pc2, gammas=routing.gate_scal)
+    out = y.new_empty(T, y.shape[-1])
+    vops.moe_sum(y.view(T, k, -1), out)
+    return out.to(x.dtype)
 
 
 _BF16_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}

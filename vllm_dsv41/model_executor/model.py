@@ -41,7 +41,7 @@ from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fuse_rows_on_cuda,
                                               fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
-                                              on_fast_device)
+                                              ogs_expert_stack, ogs_moe, on_fast_device)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.ops import sparse_attn_gathered
@@ -505,13 +505,16 @@ class MoE(nn.Module):
         self.shared_experts = SharedExpert(H, I * cfg.n_shared_experts, wf.quant, self.limit)
         self.marlin: tuple[torch.Tensor, ...] | None = None  # stacked MXFP4 experts (quantised, CUDA)
         self.mxfp4: tuple[torch.Tensor, ...] | None = None  # the checkpoint's MXFP4 bytes stacked (moe_mxfp4, bf16_moe)
+        self.ogs: tuple | None = None  # the same bytes in matmul_ogs' layouts (VLLM_DSV41_MOE=ogs)
         self.bf16_from = 0  # tokens from which a forward takes bf16_moe (0: never)
         self.act_dtype = wf.dense_dtype  # the experts' input dtype on the fast path
 
     def finalize(self) -> None:
-        """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, or ours)."""
+        """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, matmul_ogs', or ours)."""
         if self.experts[0].quant and on_fast_device(self.gate.weight):
             backend, self.bf16_from = moe_backend(), moe_bf16_from()
+            if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
+                self.ogs = ogs_expert_stack(self.experts)
             if backend == "triton" or self.bf16_from:
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
             if backend == "marlin":
@@ -523,13 +526,15 @@ class MoE(nn.Module):
             idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
         else:
             idx, wts = route(x, self.gate.weight.to(x.dtype), self.gate.bias, self.k, self.scale)
-        if self.marlin is not None or self.mxfp4 is not None:
+        if self.marlin is not None or self.mxfp4 is not None or self.ogs is not None:
             # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
             xb = x.to(self.act_dtype)
             if self.bf16_from and x.shape[0] >= self.bf16_from and not in_static_step():
                 routed = bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
             elif self.marlin is not None:
                 routed = marlin_moe(xb, self.marlin, idx, wts, self.limit)
+            elif self.ogs is not None:  # no host sync: also inside captured decode steps
+                routed = ogs_moe(xb, self.ogs, idx, wts, self.limit)
             else:
                 routed = _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit)
             return routed + self.shared_experts(xb)
