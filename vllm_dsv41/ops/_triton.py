@@ -38,6 +38,13 @@ else:
     HAS_TRITON = True
 
 
+ROW_COUNT_ARGS = ("T",)
+"""The kernel argument that carries a step's row count, for ``triton.jit(do_not_specialize=...)``.  Triton compiles
+a variant per class of each integer argument (equal to 1, divisible by 16, other); our kernels use the row count
+only as a bound, so one variant serves every batch (a fresh H200 compiled ~100 variants of our kernels as shapes
+arrived: docs/benchmarks.md, session 10)."""
+
+
 def sm_count(device) -> int:
     """Multiprocessors of ``device``'s GPU (launch heuristics); 132, an H200's, for the interpreter's CPU
     tensors, so tests there take the same tiling decisions."""

@@ -45,6 +45,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import ROW_COUNT_ARGS
 from vllm_dsv41.reference.model import apply_rope, rms_norm
 
 __all__ = ["compress_insert", "compress_insert_ref"]
@@ -333,6 +334,8 @@ def _encode_records_kernel(
              mask=m[:, None])
 
 
+_ROW_COUNT = {"_compress_insert_kernel": ROW_COUNT_ARGS, "_encode_records_kernel": ("N",)}
+"""The row-count argument of each kernel: a bound only, so not specialised (``_triton.ROW_COUNT_ARGS``)."""
 _JIT_FUNCTIONS = ("_e2m1_codes", "_e4m3_round", "_nvfp4_pack", "_mxfp4_pack", "_cos_sin", "_rope_pairs",
                   "_pooled_chunk", "_latent_chunk", "_compress_insert_kernel", "_encode_records_kernel")
 
@@ -346,7 +349,7 @@ def _kernels():
     module = globals()
     module["tl"] = triton.language
     for name in _JIT_FUNCTIONS:
-        module[name] = triton.jit(module[name])
+        module[name] = triton.jit(module[name], do_not_specialize=_ROW_COUNT.get(name))
     return module["_compress_insert_kernel"], module["_encode_records_kernel"]
 
 

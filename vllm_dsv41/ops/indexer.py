@@ -239,7 +239,8 @@ def _kernels():
     module["tl"] = triton.language
     module["_DECODE_PTX"] = triton.language.constexpr(_DECODE_PTX_SRC)
     for name in _JIT_FUNCTIONS:
-        module[name] = triton.jit(module[name])
+        # the block table's width varies with the batch; it is only the stride of a gather
+        module[name] = triton.jit(module[name], do_not_specialize=["stride_bt"] if name == "_index_scores_kernel" else None)
     return module["_index_scores_kernel"]
 
 

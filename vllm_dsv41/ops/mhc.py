@@ -67,7 +67,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import interpreting, sm_count
+from vllm_dsv41.ops._triton import ROW_COUNT_ARGS, interpreting, sm_count
 from vllm_dsv41.reference.model import sinkhorn
 
 # Bound to ``triton.language`` by ``_triton()`` on first CUDA use, so this module imports without Triton.
@@ -356,8 +356,12 @@ def _mhc_post_kernel(
 def _kernels() -> SimpleNamespace:
     """``triton.jit`` the kernels once per process (and Triton mode: compiled or TRITON_INTERPRET=1)."""
     triton = _triton()
-    return SimpleNamespace(pre=triton.jit(_mhc_pre_kernel), pre_epilogue=triton.jit(_mhc_pre_epilogue_kernel),
-                           post=triton.jit(_mhc_post_kernel))
+    rows = dict(do_not_specialize=ROW_COUNT_ARGS)
+    return SimpleNamespace(pre=triton.jit(_mhc_pre_kernel, **rows),
+                           # the H split count follows the row count too; the epilogue only loops over it
+                           pre_epilogue=triton.jit(_mhc_pre_epilogue_kernel,
+                                                   do_not_specialize=ROW_COUNT_ARGS + ("SPLIT",)),
+                           post=triton.jit(_mhc_post_kernel, **rows))
 
 
 # --------------------------------------------------------------------------- launch wrappers

@@ -55,7 +55,8 @@ def _kernels():
 
     module = globals()
     module["tl"] = triton.language
-    module["_paged_rows_kernel"] = triton.jit(_paged_rows_kernel)
+    # the block table's width varies with the batch; it is only a bound and the stride of a gather
+    module["_paged_rows_kernel"] = triton.jit(_paged_rows_kernel, do_not_specialize=["M", "stride_bt"])
     return module["_paged_rows_kernel"]
 
 

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from vllm_dsv41.ops import define_op
 
-from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, interpreting, sm_count, tl, triton
+from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, interpreting, sm_count, tl, triton
 from vllm_dsv41.reference.model import top_indices as _top_indices
 
 
@@ -128,7 +128,7 @@ def _router_epilogue(
         tl.store(wts_ptr + rows[:, None] * stride_wt + kcol[None, :], wts, mask=om)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def _router_gemm_kernel(
     x_ptr,        # [T, H] bf16 / fp32
     w_ptr,        # [E, H] bf16 / fp32
@@ -210,7 +210,7 @@ def _router_gemm_kernel(
                 tl.atomic_xchg(count_ptr + pid_t, 0)  # re-arm for the next launch / graph replay
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def _router_epilogue_kernel(
     part_ptr, bias_ptr, ids_ptr, wts_ptr,   # as in _router_epilogue
     T, E, routed_scaling, stride_it, stride_wt,

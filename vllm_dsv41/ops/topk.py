@@ -63,7 +63,7 @@ import torch.nn.functional as F
 
 from vllm_dsv41.ops import define_op
 
-from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, tl, triton
+from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, tl, triton
 from vllm_dsv41.reference.model import top_indices as _top_indices
 
 
@@ -277,7 +277,7 @@ def _write_prefix_row(dst_ptr, n, width, OUT_BLOCK: tl.constexpr):
         tl.store(dst_ptr + j, tl.where(j < n, j, -1), mask=j < width)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def _topk_select_kernel(
     scores_ptr,   # [T, N] fp32, unit stride along N
     nvis_ptr,     # [T] int32
@@ -305,7 +305,7 @@ def _topk_select_kernel(
                         ROW_BINS, STAGES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ROW_COUNT_ARGS)
 def _candidate_blocks_kernel(
     scores_ptr,   # [T, N] fp32, unit stride along N
     nvis_ptr,     # [T] int32
