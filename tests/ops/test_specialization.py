@@ -109,12 +109,12 @@ def test_compress_insert(variants):
 
 
 def test_sparse_attn_decode_buckets(variants):
-    """The pinned config's launches for decode buckets and prefill chunks: ``t_bucket`` (an autotune key) does
-    not split them."""
+    """The pinned config's launches for the decode buckets: ``t_bucket`` (an autotune key) and the split count
+    (the combine kernel's loop bound) do not split them."""
     from tests.ops.test_sparse_attn import _args, random_case
     from vllm_dsv41.ops import sparse_attn
 
     for T in (1, 2, 4, 8, 16, 32, 64):
         c = random_case(T, 64, 512, 64, 128, 512, dtype=torch.bfloat16)
         sparse_attn._sparse_attn_triton(*_args(c))
-    _assert_one_per_config(variants, ["_sparse_attn_kernel"])
+    _assert_one_per_config(variants, ["_sparse_attn_kernel", "_sparse_attn_combine_kernel"])
