@@ -171,28 +171,40 @@ def test_moe_takes_the_bf16_path_from_the_threshold(monkeypatch):
     experts through ``bf16_moe`` (here recorded, computing the MXFP4 reference), smaller ones through the decode
     kernel (``moe_mxfp4`` with ``VLLM_DSV41_MOE=triton``; its CPU op is the reference); both give the expert loop."""
     from vllm_dsv41.model_executor import model as m
-    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
 
     monkeypatch.setattr(m, "on_fast_device", lambda t: True)
     monkeypatch.setenv(linear.MOE_ENV, "triton")
     monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "8")
     calls = []
-
-    def fake_bf16_moe(x, stack, idx, wts, limit):
-        calls.append(x.shape[0])
-        return moe_mxfp4_ref(x, *stack, idx, wts, limit)
-
-    monkeypatch.setattr(m, "bf16_moe", fake_bf16_moe)
+    monkeypatch.setattr(m, "bf16_moe", _recording_reference(calls))
     moe, experts = _cpu_moe(m)
     moe.finalize()
     assert moe.bf16_from == 8 and moe.mxfp4 is not None and not hasattr(moe, "experts")
     for T in (3, 8, 20):
-        x = torch.randn(T, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(T))
-        idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, moe.k, 1.0)
-        want = linear.loop_moe(x, experts, idx, wts, 2.0)
-        got = moe(x)
-        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+        _assert_expert_loop(m, moe, experts, T)
     assert calls == [8, 20]
+
+
+def _recording_reference(calls: list):
+    """A stand-in for an expert backend: records the batch size, computes the MXFP4 reference on the stack."""
+    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
+
+    def run(x, stack, idx, wts, limit):
+        calls.append(x.shape[0])
+        return moe_mxfp4_ref(x, *stack, idx, wts, limit)
+    return run
+
+
+def _assert_expert_loop(m, moe, experts, T: int, static: bool = False) -> None:
+    """``moe`` on T random rows (inside a static decode step if asked) equals the expert loop of ``experts``."""
+    from vllm_dsv41.model_executor import graphs
+
+    x = torch.randn(T, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(T))
+    idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, moe.k, 1.0)
+    want = linear.loop_moe(x, experts, idx, wts, 2.0)
+    with graphs._static_step() if static else contextlib.nullcontext():
+        got = moe(x)
+    assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
 
 
 def _cpu_moe(m, H: int = 64, I: int = 64, E: int = 4, k: int = 2):
@@ -246,29 +258,17 @@ def test_moe_takes_the_ogs_path_in_and_out_of_static_steps(monkeypatch):
     """``VLLM_DSV41_MOE=ogs`` on the fast device (seam patched): ``finalize`` builds only the ogs stack (no Marlin, no
     bf16 prefill stack with ``VLLM_DSV41_MOE_BF16_FROM=0``) and every forward, captured decode steps included (its
     routing reads nothing on the host), goes through ``ogs_moe`` (here the MXFP4 reference on the stacked bytes)."""
-    from vllm_dsv41.model_executor import graphs
     from vllm_dsv41.model_executor import model as m
-    from vllm_dsv41.ops.moe_mxfp4 import moe_mxfp4_ref
 
     monkeypatch.setattr(m, "on_fast_device", lambda t: True)
     monkeypatch.setenv(linear.MOE_ENV, "ogs")
     monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "0")
     monkeypatch.setattr(m, "ogs_expert_stack", linear.mxfp4_expert_stack)
     calls = []
-
-    def fake_ogs_moe(x, stack, idx, wts, limit):
-        calls.append(x.shape[0])
-        return moe_mxfp4_ref(x, *stack, idx, wts, limit)
-
-    monkeypatch.setattr(m, "ogs_moe", fake_ogs_moe)
+    monkeypatch.setattr(m, "ogs_moe", _recording_reference(calls))
     moe, experts = _cpu_moe(m)
     moe.finalize()
     assert moe.ogs is not None and moe.marlin is None and moe.mxfp4 is None and not hasattr(moe, "experts")
-    for T, static in ((3, False), (4, True)):
-        x = torch.randn(T, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(T))
-        idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, moe.k, 1.0)
-        want = linear.loop_moe(x, experts, idx, wts, 2.0)
-        with graphs._static_step() if static else contextlib.nullcontext():
-            got = moe(x)
-        assert (got - want).abs().max().item() < 1e-4 * want.abs().max().item()
+    _assert_expert_loop(m, moe, experts, 3)
+    _assert_expert_loop(m, moe, experts, 4, static=True)
     assert calls == [3, 4]
