@@ -11,8 +11,10 @@ kernels named and the bytes an ideal kernel moves.  Sections: ``moe`` (``dsv41::
 top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16, bf16 cuBLAS and our ``dsv41::fp8_gemm``
 at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``triton_kernels``' ``matmul_ogs``
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
+``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
-model's dtype).  Image torch + Triton suffice for all but ``dense`` and ``moe_ogs``.  Not collected by pytest.
+model's dtype).  Image torch + Triton suffice for all but ``dense``, ``moe_ogs`` and ``moe_bf16``.  Not collected by
+pytest.
 """
 
 from __future__ import annotations
@@ -183,6 +185,41 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
             print(f"moe T={T} relative error vs the fp32 dequantised experts: {', '.join(errs)}")
 
 
+#: bf16 fused-MoE tiles to sweep: (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages);
+#: the first is vLLM's default for a large batch and no tuned file
+BF16_MOE_TILES = ((128, 128, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 1, 8, 4), (128, 128, 64, 1, 4, 4),
+                  (64, 256, 64, 16, 8, 3), (128, 128, 128, 16, 8, 3), (256, 128, 64, 16, 8, 3), (64, 128, 64, 1, 4, 4))
+
+
+def section_moe_bf16(tokens: list[int], iters: int) -> None:
+    """The prefill MoE (``linear.bf16_moe``: MXFP4 experts decoded to bf16, vLLM's Triton fused-MoE GEMMs) under the
+    tile sweep ``BF16_MOE_TILES``, at prefill sizes; TFLOP/s counts the two GEMMs' products."""
+    import bench_gemm as bg
+
+    from vllm_dsv41.model_executor import linear
+
+    experts = bg.random_experts()
+    stack = linear.mxfp4_expert_stack(experts)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"\nbf16 fused MoE (prefill path) tiles: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
+    for T in tokens:
+        x = (torch.randn(T, bg.H, generator=g, device="cuda") * 2).bfloat16()
+        wts, idx = torch.softmax(torch.randn(T, bg.E, generator=g, device="cuda"), -1).topk(bg.TOPK, -1)
+        flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
+        ref = linear.bf16_moe(x, stack, idx, wts, 10.0).float()
+        for bm, bn, bk, gm, nw, ns in BF16_MOE_TILES:
+            cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=nw, num_stages=ns)
+            name = f"moe_bf16 T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
+            try:
+                total, per = kernel_us(lambda c=cfg: linear.bf16_moe(x, stack, idx, wts, 10.0, config=c), iters)
+                diff = (linear.bf16_moe(x, stack, idx, wts, 10.0, config=cfg).float() - ref).norm() / ref.norm()
+                top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
+                print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  "
+                      f"diff vs default {diff.item():.1e}  [{top}]", flush=True)
+            except Exception as exc:  # a tile that does not fit
+                print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
 def short_prompt_case(bsa, T: int) -> dict:
     """A prompt's prefill from position 0: windows and compressed lists fill up along it (-1 padded, as the
     model lists them), the case where ``sparse_attn``'s ``skip_empty`` pays."""
@@ -292,6 +329,8 @@ def main() -> int:
             section_sparse_attn(a.tokens, a.prefill, a.iters)
         elif name == "dense":
             section_dense(a.tokens, a.iters)
+        elif name == "moe_bf16":
+            section_moe_bf16(a.prefill, a.iters)
         elif name == "moe_ogs":
             section_moe_ogs(sorted(set(a.tokens) | {512, 4096}), a.iters)
         elif name == "mhc":

@@ -471,10 +471,12 @@ def _bf16_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,
-             limit: float) -> torch.Tensor:
+             limit: float, config: dict | None = None) -> torch.Tensor:
     """Routed experts for a large batch (prefill): the MXFP4 stack (:func:`mxfp4_expert_stack`) decoded to bf16
     (``dsv41::dequant_mxfp4``), then vLLM's Triton fused-MoE GEMMs with the clamped SwiGLU between them.
-    x [T, H], idx [T, k], wts [T, k] -> [T, H] (x's dtype)."""
+    x [T, H], idx [T, k], wts [T, k] -> [T, H] (x's dtype).  ``config``: the GEMMs' tiles (``BLOCK_SIZE_M/N/K``,
+    ``GROUP_SIZE_M``, ``num_warps``, ``num_stages``; sweeps), else vLLM's choice for the shape (no tuned file for
+    32 experts of 2304: its default)."""
     import triton.language as tl
     from vllm import _custom_ops as vops
     from vllm.model_executor.layers.fused_moe.activation import (ApplyMoEActivationConfig, MoEActivation,
@@ -494,7 +496,7 @@ def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor
     H = w2.shape[1]
     idx = idx.to(torch.int32).contiguous()
     wts = wts.float().contiguous()
-    config = try_get_optimal_moe_config(tuple(w13.shape), tuple(w2.shape), k, None, T)
+    config = dict(config) if config else try_get_optimal_moe_config(tuple(w13.shape), tuple(w2.shape), k, None, T)
     sorted_ids, expert_ids, n_padded = moe_align_block_size(idx, config["BLOCK_SIZE_M"], E)
     gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=n_padded,
                 config=config, compute_type=tl.bfloat16, use_fp8_w8a8=False, use_int8_w8a8=False,
