@@ -155,6 +155,43 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
     assert list(second.outputs[0].token_ids) == ref
 
 
+def test_gathered_path_failure_falls_back_to_sparse_attn(tiny_ckpt, tiny_model, prompts, monkeypatch, caplog):
+    """A FlashMLA kernel that refuses a step (here: raises) costs no request: the step is served through
+    ``sparse_attn`` (tokens equal the reference), the path is switched off for the process and the log says why
+    once; running out of memory for the gathered keys falls back for that step only."""
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
+
+    calls = []
+
+    def refusing(*a, **kw):
+        calls.append(a[0].shape[0])
+        raise RuntimeError("the chosen implementation does not support this step")
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    monkeypatch.setattr(sag, "_switched_off", None)
+    monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: refusing)
+    monkeypatch.setattr(sag, "applies", lambda q, rows: sag._switched_off is None)  # any step, until switched off
+    with caplog.at_level("WARNING"), engine(tiny_ckpt, exact=True) as llm:
+        outs = _generate(llm, prompts[:3])
+    assert len(calls) == 1 and sag._switched_off.startswith("RuntimeError: the chosen implementation")
+    assert sum("FlashMLA prefill attention failed" in r.getMessage() for r in caplog.records) == 1
+    for p, o in zip(prompts[:3], outs):
+        assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS)[0], f"prompt of {len(p)} tokens"
+
+    def out_of_memory(*a, **kw):
+        calls.append(a[0].shape[0])
+        raise torch.OutOfMemoryError("no room for the workspace")
+
+    monkeypatch.setattr(sag, "_switched_off", None)
+    monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: out_of_memory)
+    calls.clear()
+    with engine(tiny_ckpt, exact=True) as llm:
+        outs = _generate(llm, prompts[:2])
+    assert len(calls) > 1 and sag._switched_off is None  # tried again on later steps
+    for p, o in zip(prompts[:2], outs):
+        assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS)[0]
+
+
 def test_served_dtype_and_dummy_weights(tiny_ckpt, tiny_model, prompts):
     """The checkpoint's bf16 dtype serves the same tokens (the CPU path computes in fp32), and
     ``load_format="dummy"`` runs with finite logits."""

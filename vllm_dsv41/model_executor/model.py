@@ -385,7 +385,12 @@ class Attention(nn.Module):
                     req, step.scratch[("topk_ids", plan.index_source)], src.comp_cache.flat_rows()[1:]))
             comp_cache = src.comp_cache.flat_rows()[0]
         if not in_static_step() and sparse_attn_gathered.applies(q, q.shape[0]):
-            return self._attend_gathered(step, q, pos, req, floors, src, comp_slots)
+            try:
+                return self._attend_gathered(step, q, pos, req, floors, src, comp_slots)
+            except torch.OutOfMemoryError:
+                pass  # no room for this step's bf16 keys: this step only, through the records
+            except Exception as exc:  # noqa: BLE001 - a kernel that refuses the step: serve it the other way
+                sparse_attn_gathered.switch_off(exc)
         # prefill rows of short contexts: the kernel skips their key tiles of -1 (not inside a captured step,
         # whose launch is replayed for any context)
         skip = not in_static_step() and skip_empty_pays(q.shape[0], step.max_position, cfg.topk_fill_context)

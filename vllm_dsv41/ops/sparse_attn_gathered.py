@@ -26,6 +26,7 @@ stand-in with the kernel's contract.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -34,6 +35,8 @@ import torch
 from vllm_dsv41 import formats
 from vllm_dsv41.ops.sparse_attn import _decoded_union
 from vllm_dsv41.reference.model import sparse_attention
+
+logger = logging.getLogger(__name__)
 
 ENV = "VLLM_DSV41_PREFILL_ATTN"
 """``auto`` (default) or ``flashmla``: prefill rows go through this path where it applies (:func:`applies`);
@@ -45,6 +48,8 @@ INDEX_ALIGN = 128
 """The combined index lists are padded with -1 to a multiple of this (as vLLM pads them for the kernel)."""
 FLASHMLA_HEADS = (64, 128)
 """Query head counts the FlashMLA kernels take."""
+_switched_off: str | None = None
+"""Why this process stopped taking the path (:func:`switch_off`), or None."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,18 @@ def applies(q: torch.Tensor, rows: int) -> bool:
     """Whether the model sends these attention rows here: not switched off (``VLLM_DSV41_PREFILL_ATTN``), a
     prefill-sized step, bf16 q of 512 dims and a head count the kernel takes, on a GPU where it imports."""
     return (rows >= MIN_ROWS and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 512
-            and q.shape[1] in FLASHMLA_HEADS and mode() != "sparse_attn" and flashmla_sparse_fwd() is not None)
+            and q.shape[1] in FLASHMLA_HEADS and mode() != "sparse_attn" and _switched_off is None
+            and flashmla_sparse_fwd() is not None)
+
+
+def switch_off(exc: BaseException) -> None:
+    """After the path failed on a step (the model then serves it through ``sparse_attn``): no more steps here in
+    this process, said once in the log."""
+    global _switched_off
+    if _switched_off is None:
+        _switched_off = f"{type(exc).__name__}: {exc}"
+        logger.warning("vllm-dsv41: FlashMLA prefill attention failed (%s); prefill attention runs through "
+                       "dsv41::sparse_attn from now on", _switched_off, exc_info=exc)
 
 
 def combined_indices(swa_plan: GatherPlan, comp_plan: GatherPlan | None, n_swa_rows: int) -> torch.Tensor:
