@@ -148,6 +148,16 @@ def section_dense(tokens: list[int], iters: int) -> None:
         report(f"marlin moe T={T}", idx.unique().numel() * per_expert, total, per)
 
 
+def routed_batch(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16 x [T, H] large enough that the clamp bites, and a softmax top-k routing (idx, wts) over the bench
+    experts (``bench_gemm``'s shapes)."""
+    import bench_gemm as bg
+
+    x = (torch.randn(T, bg.H, generator=g, device="cuda") * 2).bfloat16()
+    wts, idx = torch.softmax(torch.randn(T, bg.E, generator=g, device="cuda"), -1).topk(bg.TOPK, -1)
+    return x, idx, wts
+
+
 def section_moe_ogs(tokens: list[int], iters: int) -> None:
     """``VLLM_DSV41_MOE=ogs`` (``matmul_ogs``) against the default Marlin MXFP4 MoE on the same random MXFP4 experts,
     then both against the fp32 expert loop over the dequantised weights at T=64 (relative error)."""
@@ -167,8 +177,7 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
           "scales of the experts hit, read once")
     g = torch.Generator(device="cuda").manual_seed(0)
     for T in tokens:
-        x = (torch.randn(T, bg.H, generator=g, device="cuda") * 2).bfloat16()
-        wts, idx = torch.softmax(torch.randn(T, bg.E, generator=g, device="cuda"), -1).topk(bg.TOPK, -1)
+        x, idx, wts = routed_batch(T, g)
         nbytes = idx.unique().numel() * per_expert
         errs = []
         for name, fn, stack in paths:
@@ -203,8 +212,7 @@ def section_moe_bf16(tokens: list[int], iters: int) -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"\nbf16 fused MoE (prefill path) tiles: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
     for T in tokens:
-        x = (torch.randn(T, bg.H, generator=g, device="cuda") * 2).bfloat16()
-        wts, idx = torch.softmax(torch.randn(T, bg.E, generator=g, device="cuda"), -1).topk(bg.TOPK, -1)
+        x, idx, wts = routed_batch(T, g)
         flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
         ref = linear.bf16_moe(x, stack, idx, wts, 10.0).float()
         for bm, bn, bk, gm, nw, ns in BF16_MOE_TILES:

@@ -94,8 +94,8 @@ class Norm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=torch.float32), requires_grad=False)
 
 
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
+def _param(*shape: int, dtype: torch.dtype = torch.float32) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
 
 
 # --------------------------------------------------------------------------- attention
@@ -494,7 +494,7 @@ class Gate(nn.Module):
 
     def __init__(self, n_experts: int, hidden: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(n_experts, hidden, dtype=dtype), requires_grad=False)
+        self.weight = _param(n_experts, hidden, dtype=dtype)
         self.bias = _param(n_experts)
 
 
@@ -751,8 +751,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.weights = WeightFormat.choose(exact_mode())
         wf = self.weights
         self.embed = Norm(1)
-        self.embed.weight = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=wf.dense_dtype),
-                                         requires_grad=False)
+        self.embed.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=wf.dense_dtype)
         self.model = DeepseekV41Model(cfg, self.bounded_replay, wf, prefix=f"{prefix}.model." if prefix else "model.")
         self.norm = Norm(cfg.hidden_size)
         self.head = Dense(cfg.vocab_size, cfg.hidden_size, wf.dense_dtype)
