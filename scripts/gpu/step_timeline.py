@@ -69,6 +69,8 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=66560)
     ap.add_argument("--profile-decode", type=int, default=0, metavar="N",
                     help="profile the first N pure decode steps of a third run")
+    ap.add_argument("--profile-prefill", action="store_true",
+                    help="profile the steps that hold prefill tokens (until the first pure decode step) of a run")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
 
@@ -184,9 +186,48 @@ def main() -> int:
               f"{r['pace_ms'] or 0:8.2f} {r['host_ms']:8.2f} {r['gpu_ms'] or 0:8.2f}")
     with open(os.path.join(out_dir, "timeline.json"), "w") as f:
         json.dump(dict(args=vars(args), wall_s=wall, rows=rows, summary=summarize(rows)), f, indent=1)
+    if args.profile_prefill:
+        profile_prefill(run, rows, live, cuda, out_dir)
     if args.profile_decode:
         profile_decode(run, rows, live, args.profile_decode, cuda, out_dir)
     os._exit(0)
+
+
+def profile_prefill(run, rows: list[dict], live: dict, cuda: bool, out_dir: str) -> None:
+    """One more run of the workload under ``torch.profiler`` from its start until its first pure decode step is
+    planned (the GPU drained first): the kernels of the steps that hold prefill tokens, per such step."""
+    import sys
+
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from profile_steps import kernel_table, report
+
+    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    state = {"off": False}
+    first = len(rows)
+
+    def watch() -> None:
+        new = rows[first:]
+        if not state["off"] and new and new[-1]["phase"] == "decode":
+            if cuda:
+                import torch
+
+                torch.cuda.synchronize()
+            prof.stop()
+            state["off"], state["steps"] = True, sum(1 for r in new if r["phase"] == "prefill")
+
+    live["watch"] = watch
+    live["on"] = True
+    prof.start()
+    run()
+    live["on"] = False
+    live.pop("watch")
+    if not state["off"]:
+        prof.stop()
+        print("\nprefill profile: the run had no pure decode step; nothing reported")
+        return
+    report("prefill steps", kernel_table(prof, cuda), state["steps"], out_dir, top=40)
 
 
 def profile_decode(run, rows: list[dict], live: dict, n_steps: int, cuda: bool, out_dir: str) -> None:
