@@ -7,8 +7,6 @@
 #   scripts/gpu/session.sh bench           # GEMM paths (Marlin / bf16 / FP8 block), swa_insert, rope, paged_rows
 #   scripts/gpu/session.sh kernels         # CUPTI kernel time per call: MoE, dense GEMMs, sparse_attn, mHC
 #   scripts/gpu/session.sh attn            # FlashMLA probes (decode on our records, sparse prefill on bf16 keys), then kernel times
-#   scripts/gpu/session.sh fp8             # dsv41::fp8_gemm (wide K steps): its CUDA tests, then kernel times of the
-#                                          # dense shapes against bf16 cuBLAS and Marlin, with launch-config variants
 #   scripts/gpu/session.sh moe_bf16        # the prefill MoE (bf16_moe) under a sweep of fused-MoE tiles, 4k and 16k tokens
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
@@ -67,12 +65,6 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only moe_ogs --tokens 1 16 64) > "$OUT/ogs-times.log" 2>&1
     grep -E "passed|failed|FAILED|Error|rel err|rel diff" "$OUT/ogs-tests.log" | tail -20
     grep -vE "^(USDT|  )|Warning" "$OUT/ogs-times.log" | cut -c1-200 | tail -40 ;;
-  fp8)
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_fp8_gemm.py > "$OUT/fp8-tests.log" 2>&1
-    (cd benchmarks/ops && timeout 360 python3 kernel_times.py --only dense --tokens 1 16 64 --iters 30) \
-      > "$OUT/fp8-times.log" 2>&1
-    grep -E "passed|failed|FAILED|Error" "$OUT/fp8-tests.log" | tail -12
-    grep -vE "^(USDT|  )|Warning" "$OUT/fp8-times.log" | cut -c1-150 | tail -200 ;;
   moe_bf16)
     (cd benchmarks/ops && timeout 500 python3 kernel_times.py --only moe_bf16 --prefill 4096 16384 --iters 5) \
       > "$OUT/moe-bf16.log" 2>&1
@@ -97,5 +89,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | fp8 | moe_bf16 | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | moe_bf16 | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac

@@ -51,8 +51,7 @@ def test_bad_shapes_name_the_problem():
 def test_plan_covers_the_gpu_and_whole_k_steps():
     for N, K in ((1792, 5120), (32768, 1280), (5120, 8192), (8192, 4096), (5120, 2304)):
         p = fg.plan(64, N, K, 132)
-        assert p["KERNEL"] == "wide" and p["BLOCK_K"] == 128
-        assert p["k_per_split"] % p["BLOCK_K"] == 0 and (p["SPLIT_K"] - 1) * p["k_per_split"] < K <= p["SPLIT_K"] * p["k_per_split"]
+        assert p["k_per_split"] % 32 == 0 and (p["SPLIT_K"] - 1) * p["k_per_split"] < K <= p["SPLIT_K"] * p["k_per_split"]
         assert -(-N // p["BLOCK_N"]) * p["SPLIT_K"] >= 66, (N, K, p)  # at least half the SMs busy
     assert fg.plan(1, 1792, 5120, 132)["BLOCK_M"] == 16 and fg.plan(64, 1792, 5120, 132)["BLOCK_M"] == 64
 
@@ -68,34 +67,26 @@ def test_kernel_builds_for_sm90_without_spills(M, N, K):
     sig = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "part_ptr": out,
            **{n: "i32" for n in ("M", "N", "K", "k_per_split", "NG", "stride_xm", "stride_wn", "stride_sn",
                                  "stride_pm")},
-           **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "SPLIT_K", "HW_FP8", "DOT_F32")}}
-    consts = {"BLOCK_N": p["BLOCK_N"], "BLOCK_M": p["BLOCK_M"], "BLOCK_K": p["BLOCK_K"], "SPLIT_K": p["SPLIT_K"],
-              "HW_FP8": True, "DOT_F32": False}
-    assert p["KERNEL"] == "wide"
-    got = sm90_build(fg._fp8_gemm_wide_kernel, sig, consts, p["num_warps"], p["num_stages"],
+           **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "SPLIT_K", "HW_FP8", "DOT_F32")}}
+    consts = {"BLOCK_N": p["BLOCK_N"], "BLOCK_M": p["BLOCK_M"], "SPLIT_K": p["SPLIT_K"], "HW_FP8": True,
+              "DOT_F32": False}
+    got = sm90_build(fg._fp8_gemm_kernel, sig, consts, p["num_warps"], p["num_stages"],
                      divisible_by_16=("N", "K", "k_per_split", "NG", "stride_xm", "stride_wn", "stride_pm"))
     print(f"fp8_gemm M={M} N={N} K={K} {p}: {got}")
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
-    assert got["shared"] >= (p["num_stages"] - 1) * p["BLOCK_N"] * p["BLOCK_K"], "the weight loads are not pipelined"
+    assert got["shared"] >= (p["num_stages"] - 1) * p["BLOCK_N"] * 32, "the weight loads are not pipelined"
 
 
-# (M, N, K, groups, config override): the 32-wide kernel, then the wide one (K a multiple of its step)
+# (M, N, K, groups, config override)
 INTERPRET_CASES = [
-    (1, 64, 96, 1, {"KERNEL": "k32"}),
-    (5, 96, 256, 1, {"KERNEL": "k32", "SPLIT_K": 3, "k_per_split": 96}),
-    (16, 128, 128, 1, {"KERNEL": "k32", "BLOCK_N": 64, "num_warps": 4}),
-    (64, 64, 320, 1, {"KERNEL": "k32"}),
-    (33, 192, 64, 1, {"KERNEL": "k32", "SPLIT_K": 2, "k_per_split": 32}),
+    (1, 64, 96, 1, None),
+    (5, 96, 256, 1, {"SPLIT_K": 3, "k_per_split": 96}),
+    (16, 128, 128, 1, {"BLOCK_N": 64, "num_warps": 4}),
+    (64, 64, 320, 1, None),
+    (33, 192, 64, 1, {"SPLIT_K": 2, "k_per_split": 32}),
     # the grouped wo_a: 2 and 8 groups, one with split K
-    (3, 128, 64, 2, {"KERNEL": "k32"}),
-    (9, 256, 96, 8, {"KERNEL": "k32", "SPLIT_K": 3, "k_per_split": 32}),
-    (1, 64, 256, 1, None),
-    (5, 96, 384, 1, {"SPLIT_K": 3}),
-    (16, 128, 512, 1, {"BLOCK_N": 64, "num_warps": 4, "BLOCK_K": 256}),
-    (64, 64, 128, 1, None),
-    (33, 192, 512, 1, {"SPLIT_K": 2}),
-    (3, 128, 256, 2, None),
-    (9, 256, 256, 8, {"SPLIT_K": 2}),
+    (3, 128, 64, 2, None),
+    (9, 256, 96, 8, {"SPLIT_K": 3, "k_per_split": 32}),
 ]
 
 _RUNNER = """
