@@ -157,9 +157,12 @@ def test_dense_gemm_backend_env(monkeypatch):
 
 def test_moe_bf16_from_env(monkeypatch):
     monkeypatch.delenv(linear.MOE_BF16_FROM_ENV, raising=False)
-    assert linear.moe_bf16_from() == 2048
+    assert linear.moe_bf16_from() == linear.moe_bf16_from("marlin") == 2048
+    assert linear.moe_bf16_from("ogs") == 0  # matmul_ogs beats the bf16 path at prefill sizes too
     monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "0")
     assert linear.moe_bf16_from() == 0
+    monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "8192")
+    assert linear.moe_bf16_from("ogs") == 8192
     for bad in ("-1", "many"):
         monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, bad)
         with pytest.raises(ValueError, match=f"VLLM_DSV41_MOE_BF16_FROM='{bad}'"):
@@ -226,13 +229,29 @@ def _cpu_moe(m, H: int = 64, I: int = 64, E: int = 4, k: int = 2):
 
 def test_moe_backend_env(monkeypatch):
     monkeypatch.delenv(linear.MOE_ENV, raising=False)
-    assert linear.moe_backend() == "marlin"
-    for v, want in ((" OGS ", "ogs"), ("triton", "triton")):
+    assert linear.moe_backend() == "auto"
+    for v, want in ((" OGS ", "ogs"), ("triton", "triton"), ("Marlin", "marlin")):
         monkeypatch.setenv(linear.MOE_ENV, v)
         assert linear.moe_backend() == want
     monkeypatch.setenv(linear.MOE_ENV, "ogz")
-    with pytest.raises(ValueError, match="VLLM_DSV41_MOE='ogz': expected marlin, triton or ogs"):
+    with pytest.raises(ValueError, match="VLLM_DSV41_MOE='ogz': expected auto, ogs, marlin or triton"):
         linear.moe_backend()
+
+
+@pytest.mark.parametrize("version,hidden,inter,want", [
+    ("3.5.1", 5120, 2304, "ogs"),     # the bench / full widths, triton_kernels as vLLM's CUDA wheel vendors it
+    ("3.6", 5120, 2304, "ogs"),
+    ("3.5.1", 64, 32, "marlin"),      # the tiny model: not the shapes matmul_ogs was measured at
+    (None, 5120, 2304, "marlin"),     # no triton_kernels (the CPU wheel)
+    ("3.8", 5120, 2304, "marlin"),    # a triton_kernels without matmul_ogs
+])
+def test_auto_moe_backend(version, hidden, inter, want, monkeypatch):
+    from vllm.utils import import_utils
+
+    monkeypatch.setattr(import_utils, "get_triton_kernels_version", lambda: version)
+    assert linear.resolve_moe_backend("auto", hidden, inter) == want
+    for explicit in ("marlin", "ogs", "triton"):  # an explicit choice is kept (ogs then fails where it cannot run)
+        assert linear.resolve_moe_backend(explicit, hidden, inter) == explicit
 
 
 @pytest.mark.parametrize("version,why", [(None, "does not import"), ("3.8", "no matmul_ogs")])
@@ -272,3 +291,15 @@ def test_moe_takes_the_ogs_path_in_and_out_of_static_steps(monkeypatch):
     _assert_expert_loop(m, moe, experts, 3)
     _assert_expert_loop(m, moe, experts, 4, static=True)
     assert calls == [3, 4]
+
+
+def test_bf16_moe_takes_our_tiles_where_vllm_has_no_tuned_file(monkeypatch):
+    """32 experts of 2304 (the bench): vLLM ships no tuned file, so the H200 sweep's winner; where a file exists
+    (here faked), vLLM's tuned choice for the batch."""
+    from vllm.model_executor.layers.fused_moe import fused_moe as fm
+
+    w13, w2 = (32, 4608, 5120), (32, 5120, 2304)
+    assert linear._bf16_moe_tiles(w13, w2, 6, 16384) == linear.BF16_MOE_TILES
+    tuned = {4096: dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3)}
+    monkeypatch.setattr(fm, "get_moe_configs", lambda E, N, dtype, *a, **kw: tuned if (E, N) == (32, 2304) else None)
+    assert linear._bf16_moe_tiles(w13, w2, 6, 16384) == tuned[4096]

@@ -159,8 +159,8 @@ def routed_batch(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
 
 
 def section_moe_ogs(tokens: list[int], iters: int) -> None:
-    """``VLLM_DSV41_MOE=ogs`` (``matmul_ogs``) against the default Marlin MXFP4 MoE on the same random MXFP4 experts,
-    then both against the fp32 expert loop over the dequantised weights at T=64 (relative error)."""
+    """``VLLM_DSV41_MOE=ogs`` (``matmul_ogs``) against the Marlin MXFP4 MoE (up to 4,096 tokens) and the prefill path
+    ``bf16_moe`` (from 1,024) on the same random MXFP4 experts, then ogs and Marlin against the fp32 expert loop over the dequantised weights at T=64 (relative error)."""
     import bench_gemm as bg
 
     from vllm_dsv41.model_executor import linear
@@ -172,8 +172,10 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
         paths.insert(0, ("ogs", linear.ogs_moe, linear.ogs_expert_stack(experts)))
     except Exception as exc:
         print(f"moe_ogs: no ogs stack: {type(exc).__name__}: {str(exc)[:200]}")
+    if max(tokens) >= 1024:  # the prefill path it would replace
+        paths.append(("bf16_moe", linear.bf16_moe, linear.mxfp4_expert_stack(experts)))
     per_expert = 3 * bg.H * bg.I // 2 + 3 * bg.H * bg.I // 32
-    print(f"\nmatmul_ogs MoE vs Marlin MoE: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}; MB = the MXFP4 weights and "
+    print(f"\nmatmul_ogs MoE vs Marlin MoE (and bf16_moe from 1,024 tokens): E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}; MB = the MXFP4 weights and "
           "scales of the experts hit, read once")
     g = torch.Generator(device="cuda").manual_seed(0)
     for T in tokens:
@@ -181,6 +183,8 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
         nbytes = idx.unique().numel() * per_expert
         errs = []
         for name, fn, stack in paths:
+            if (name == "bf16_moe" and T < 1024) or (name == "marlin" and T > 4096):
+                continue
             try:
                 total, per = kernel_us(lambda: fn(x, stack, idx, wts, limit), iters)
                 report(f"moe T={T} {name}", nbytes, total, per)
@@ -196,13 +200,13 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
 
 #: bf16 fused-MoE tiles to sweep: (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages);
 #: the first is vLLM's default for a large batch and no tuned file
-BF16_MOE_TILES = ((128, 128, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 1, 8, 4), (128, 128, 64, 1, 4, 4),
+BF16_MOE_SWEEP = ((128, 128, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 1, 8, 4), (128, 128, 64, 1, 4, 4),
                   (64, 256, 64, 16, 8, 3), (128, 128, 128, 16, 8, 3), (256, 128, 64, 16, 8, 3), (64, 128, 64, 1, 4, 4))
 
 
 def section_moe_bf16(tokens: list[int], iters: int) -> None:
     """The prefill MoE (``linear.bf16_moe``: MXFP4 experts decoded to bf16, vLLM's Triton fused-MoE GEMMs) under the
-    tile sweep ``BF16_MOE_TILES``, at prefill sizes; TFLOP/s counts the two GEMMs' products."""
+    tile sweep ``BF16_MOE_SWEEP``, at prefill sizes; TFLOP/s counts the two GEMMs' products."""
     import bench_gemm as bg
 
     from vllm_dsv41.model_executor import linear
@@ -215,7 +219,7 @@ def section_moe_bf16(tokens: list[int], iters: int) -> None:
         x, idx, wts = routed_batch(T, g)
         flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
         ref = linear.bf16_moe(x, stack, idx, wts, 10.0).float()
-        for bm, bn, bk, gm, nw, ns in BF16_MOE_TILES:
+        for bm, bn, bk, gm, nw, ns in BF16_MOE_SWEEP:
             cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=nw, num_stages=ns)
             name = f"moe_bf16 T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
             try:

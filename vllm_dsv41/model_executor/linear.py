@@ -71,22 +71,45 @@ def dense_gemm_backend() -> str:
 
 
 def moe_backend() -> str:
-    """``VLLM_DSV41_MOE``: the routed experts on the fast CUDA path - ``marlin`` (default; vLLM's Marlin MXFP4
-    fused MoE), ``triton`` (experimental: ``dsv41::moe_mxfp4`` on the checkpoint's own MXFP4 bytes) or ``ogs``
-    (experimental: ``triton_kernels``' ``matmul_ogs`` on those bytes, swizzled once at load)."""
-    v = os.environ.get(MOE_ENV, "marlin").strip().lower() or "marlin"
-    if v not in ("marlin", "triton", "ogs"):
-        raise ValueError(f"{MOE_ENV}={v!r}: expected marlin, triton or ogs")
+    """``VLLM_DSV41_MOE``: the routed experts on the fast CUDA path - ``auto`` (default: :func:`resolve_moe_backend`),
+    ``ogs`` (``triton_kernels``' ``matmul_ogs`` on the checkpoint's MXFP4 bytes, swizzled once at load), ``marlin``
+    (vLLM's Marlin MXFP4 fused MoE) or ``triton`` (experimental: ``dsv41::moe_mxfp4`` on those bytes)."""
+    v = os.environ.get(MOE_ENV, "auto").strip().lower() or "auto"
+    if v not in ("auto", "marlin", "triton", "ogs"):
+        raise ValueError(f"{MOE_ENV}={v!r}: expected auto, ogs, marlin or triton")
     return v
 
 
-def moe_bf16_from() -> int:
+OGS_ALIGN = 256
+"""``auto`` takes ``matmul_ogs`` for experts whose hidden and intermediate sizes are multiples of this (the bench and
+full widths, 5120 and 2304; the sizes its Hopper layouts were measured at), Marlin for others (the tiny test
+model's 64 x 32)."""
+
+
+def resolve_moe_backend(backend: str, hidden: int, inter: int) -> str:
+    """``auto`` -> ``ogs`` where ``matmul_ogs`` imports and the expert shape aligns (:data:`OGS_ALIGN`), else
+    ``marlin``.  Why ogs: on the H200 it took 271 against Marlin's 298 µs for a batch-64 layer, 3.7 against Marlin's
+    6.9 ms (and bf16_moe's 4.6 ms) at 4,096 tokens; Marlin is 5 µs faster at one token (docs/benchmarks.md,
+    session 11).  Other values pass through."""
+    if backend != "auto":
+        return backend
+    if hidden % OGS_ALIGN or inter % OGS_ALIGN:
+        return "marlin"
+    try:
+        _require_matmul_ogs()
+    except (ImportError, RuntimeError):
+        return "marlin"
+    return "ogs"
+
+
+def moe_bf16_from(backend: str = "marlin") -> int:
     """``VLLM_DSV41_MOE_BF16_FROM``: forward passes of at least this many tokens (prefill) run the routed experts
     as bf16 (:func:`bf16_moe`: the layer's MXFP4 experts decoded into a scratch buffer, vLLM's Triton fused-MoE
-    GEMMs) instead of Marlin; 0 turns that off.  Default 2048: Marlin's W4A16 kernel took ~0.8 µs per token and
-    layer in a 16k-token prefill (H200 profile, docs/benchmarks.md), the decode moves 566 MB + 2.3 GB per layer
-    at the bench width (~0.6 ms at HBM rate, an estimate): break-even near 1k tokens, 2048 leaves margin."""
-    v = os.environ.get(MOE_BF16_FROM_ENV, "2048").strip() or "2048"
+    GEMMs) instead of the decode backend; 0 turns that off.  Default for Marlin 2048 (its W4A16 kernel took ~0.8 µs
+    per token and layer in a 16k-token prefill; break-even near 1k tokens, an estimate); for ``ogs`` 0, since
+    ``matmul_ogs`` beat bf16_moe (its per-call decode of the experts included) at 4,096 tokens on the H200."""
+    default = "0" if backend == "ogs" else "2048"
+    v = os.environ.get(MOE_BF16_FROM_ENV, default).strip() or default
     try:
         n = int(v)
     except ValueError:
@@ -470,18 +493,34 @@ def _bf16_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, to
     return _BF16_SCRATCH[key]
 
 
+BF16_MOE_TILES = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=8, num_stages=4)
+""":func:`bf16_moe`'s fused-MoE tiles where vLLM has no tuned file for the shape (it has none for 32 experts of 2304):
+the fastest of ``kernel_times.py --only moe_bf16``'s sweep on the H200, 13.3 against 14.4 ms (vLLM's default tiles)
+at 16,384 tokens and 4.6 against 4.9 ms at 4,096 (docs/benchmarks.md, session 11)."""
+
+
+def _bf16_moe_tiles(w13_shape: tuple, w2_shape: tuple, k: int, T: int) -> dict:
+    """vLLM's tuned tiles for this expert shape and batch where it ships a file, else :data:`BF16_MOE_TILES`."""
+    from vllm.model_executor.layers.fused_moe import get_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import get_moe_configs, try_get_optimal_moe_config
+
+    E, _, N = w2_shape
+    if get_config() or get_moe_configs(E, N, None):
+        return try_get_optimal_moe_config(w13_shape, w2_shape, k, None, T)
+    return dict(BF16_MOE_TILES)
+
+
 def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,
              limit: float, config: dict | None = None) -> torch.Tensor:
     """Routed experts for a large batch (prefill): the MXFP4 stack (:func:`mxfp4_expert_stack`) decoded to bf16
     (``dsv41::dequant_mxfp4``), then vLLM's Triton fused-MoE GEMMs with the clamped SwiGLU between them.
     x [T, H], idx [T, k], wts [T, k] -> [T, H] (x's dtype).  ``config``: the GEMMs' tiles (``BLOCK_SIZE_M/N/K``,
-    ``GROUP_SIZE_M``, ``num_warps``, ``num_stages``; sweeps), else vLLM's choice for the shape (no tuned file for
-    32 experts of 2304: its default)."""
+    ``GROUP_SIZE_M``, ``num_warps``, ``num_stages``; sweeps), else :func:`_bf16_moe_tiles`."""
     import triton.language as tl
     from vllm import _custom_ops as vops
     from vllm.model_executor.layers.fused_moe.activation import (ApplyMoEActivationConfig, MoEActivation,
                                                                 apply_moe_activation)
-    from vllm.model_executor.layers.fused_moe.fused_moe import dispatch_fused_moe_kernel, try_get_optimal_moe_config
+    from vllm.model_executor.layers.fused_moe.fused_moe import dispatch_fused_moe_kernel
     from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 
     from vllm_dsv41.ops import dequant_mxfp4  # noqa: F401
@@ -496,7 +535,7 @@ def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor
     H = w2.shape[1]
     idx = idx.to(torch.int32).contiguous()
     wts = wts.float().contiguous()
-    config = dict(config) if config else try_get_optimal_moe_config(tuple(w13.shape), tuple(w2.shape), k, None, T)
+    config = dict(config) if config else _bf16_moe_tiles(tuple(w13.shape), tuple(w2.shape), k, T)
     sorted_ids, expert_ids, n_padded = moe_align_block_size(idx, config["BLOCK_SIZE_M"], E)
     gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=n_padded,
                 config=config, compute_type=tl.bfloat16, use_fp8_w8a8=False, use_int8_w8a8=False,

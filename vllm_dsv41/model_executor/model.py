@@ -41,7 +41,7 @@ from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fuse_rows_on_cuda,
                                               fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
-                                              ogs_expert_stack, ogs_moe, on_fast_device)
+                                              ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.ops import sparse_attn_gathered
@@ -517,7 +517,9 @@ class MoE(nn.Module):
     def finalize(self) -> None:
         """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, matmul_ogs', or ours)."""
         if self.experts[0].quant and on_fast_device(self.gate.weight):
-            backend, self.bf16_from = moe_backend(), moe_bf16_from()
+            inter, half_hidden = self.experts[0].w1.weight.shape  # packed MXFP4: two values a byte
+            backend = resolve_moe_backend(moe_backend(), 2 * half_hidden, inter)
+            self.bf16_from = moe_bf16_from(backend)
             if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
                 self.ogs = ogs_expert_stack(self.experts)
             if backend == "triton" or self.bf16_from:
