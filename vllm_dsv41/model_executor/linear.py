@@ -31,6 +31,8 @@ weights (benchmarks/ops/bench_gemm.py, docs/benchmarks.md).
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,6 +42,8 @@ from torch import nn
 
 from vllm_dsv41 import formats
 from vllm_dsv41.checkpoint import E8M0, FP8, I8
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_ENV = "VLLM_DSV41_WEIGHTS"
 DENSE_GEMM_ENV = "VLLM_DSV41_DENSE_GEMM"
@@ -100,6 +104,13 @@ def resolve_moe_backend(backend: str, hidden: int, inter: int) -> str:
     except (ImportError, RuntimeError):
         return "marlin"
     return "ogs"
+
+
+@functools.cache
+def log_moe_choice(backend: str, bf16_from: int) -> None:
+    """Say once per process which routed-expert path the fast path took (benchmark logs record it)."""
+    logger.info("vllm-dsv41: routed experts through %s%s", backend,
+                f", bf16_moe from {bf16_from} tokens" if bf16_from else "")
 
 
 def moe_bf16_from(backend: str = "marlin") -> int:

@@ -39,7 +39,7 @@ from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fuse_rows_on_cuda,
-                                              fused_rms_norm, loop_moe, marlin_expert_stack, marlin_moe,
+                                              fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
                                               ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
@@ -520,6 +520,7 @@ class MoE(nn.Module):
             inter, half_hidden = self.experts[0].w1.weight.shape  # packed MXFP4: two values a byte
             backend = resolve_moe_backend(moe_backend(), 2 * half_hidden, inter)
             self.bf16_from = moe_bf16_from(backend)
+            log_moe_choice(backend, self.bf16_from)
             if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
                 self.ogs = ogs_expert_stack(self.experts)
             if backend == "triton" or self.bf16_from:
