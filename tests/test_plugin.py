@@ -24,6 +24,13 @@ print("CUDA_INIT", "torch.cuda" in sys.modules and __import__("torch").cuda.is_i
 print("MLA_DISABLE", os.environ.get("VLLM_MLA_DISABLE"))
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 print("CONFIG_HOOK", MODELS_CONFIG_MAP["DeepseekV41ForCausalLM"].__module__)
+import logging
+from vllm.config import LoggingConfig
+from vllm.logger import configure_logging
+configure_logging(LoggingConfig())  # what the engine does at start
+ours = logging.getLogger("vllm_dsv41.model_executor.linear")
+print("LOG_SHARED", ours.getEffectiveLevel() == logging.INFO and ours.hasHandlers()
+      and logging.getLogger("vllm_dsv41").parent is logging.getLogger("vllm"))
 """
 
 
@@ -41,6 +48,7 @@ def test_register_replaces_builtin_and_is_idempotent():
     assert out["CUDA_INIT"] == "False"
     assert out["MLA_DISABLE"] == "1"
     assert out["CONFIG_HOOK"] == "vllm_dsv41.engine_config"
+    assert out["LOG_SHARED"] == "True"  # our INFO lines reach vLLM's log
 
 
 def test_disable_switch_keeps_builtin():
