@@ -12,15 +12,15 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
   exact) or ``fp8`` (the bytes and tiles kept for our ``dsv41::fp8_gemm`` at decode sizes); on CPU the fast
   path dequantises per call (the reference);
 * :class:`Expert` - a routed expert (MXFP4, 1x32 UE8M0).  Quantised on CUDA, a layer's experts are
-  stacked as ``w13 = [w1; w3]`` and ``w2`` (:func:`marlin_expert_stack`) and run through vLLM's
-  Marlin MXFP4 fused MoE with the clamped SwiGLU ``silu(min(a, L)) * clamp(b, -L, L)``
-  (:func:`marlin_moe`), or with ``VLLM_DSV41_MOE=triton`` (:func:`moe_backend`, experimental) through our
-  ``dsv41::moe_mxfp4`` on the stacked bytes (:func:`mxfp4_expert_stack`), or with ``VLLM_DSV41_MOE=ogs``
-  through OpenAI's ``matmul_ogs`` from the ``triton_kernels`` that vLLM vendors (:func:`ogs_expert_stack`,
-  :func:`ogs_moe`: vLLM's Triton MXFP4 MoE for gpt-oss on Hopper); forwards of
-  ``VLLM_DSV41_MOE_BF16_FROM`` tokens or more (prefill) decode those bytes to bf16 for vLLM's Triton fused
-  MoE (:func:`bf16_moe`); otherwise an expert loop over dequantised weights (:func:`loop_moe`, the
-  reference; :func:`masked_moe` inside captured decode steps, where the host may not read the routing).
+  stacked as ``w13 = [w1; w3]`` and ``w2`` and run, as ``VLLM_DSV41_MOE`` (:func:`moe_backend`,
+  :func:`resolve_moe_backend`) chooses, through OpenAI's ``matmul_ogs`` from the ``triton_kernels`` that vLLM
+  vendors (:func:`ogs_expert_stack`, :func:`ogs_moe`; the default where it imports and the shapes align), through
+  vLLM's Marlin MXFP4 fused MoE (:func:`marlin_expert_stack`, :func:`marlin_moe`), or (experimental) through our
+  ``dsv41::moe_mxfp4`` on the stacked bytes (:func:`mxfp4_expert_stack`), always with the clamped SwiGLU
+  ``silu(min(a, L)) * clamp(b, -L, L)``; forwards of ``VLLM_DSV41_MOE_BF16_FROM`` tokens or more (prefill; by
+  default only under Marlin) decode those bytes to bf16 for vLLM's Triton fused MoE (:func:`bf16_moe`);
+  otherwise an expert loop over dequantised weights (:func:`loop_moe`, the reference; :func:`masked_moe` inside
+  captured decode steps, where the host may not read the routing).
 
 Why (docs/design.md, "Hopper path (CUDA)", Weights): Marlin is the W8A16 / W4A16 path vLLM 0.32 ships for SM90 that
 takes the checkpoint's own scales without requantisation; for the FP8 dense weights the H200 measured
