@@ -193,17 +193,27 @@ def main() -> int:
     os._exit(0)
 
 
-def profile_prefill(run, rows: list[dict], live: dict, cuda: bool, out_dir: str) -> None:
-    """One more run of the workload under ``torch.profiler`` from its start until its first pure decode step is
-    planned (the GPU drained first): the kernels of the steps that hold prefill tokens, per such step."""
-    import sys
-
+def _profiler(cuda: bool):
+    """A ``torch.profiler`` over the GPU's kernels (the CPU's ops on a machine without one), not yet started."""
     from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+
+
+def _report(title: str, prof, cuda: bool, steps: int, out_dir: str, top: int) -> None:
+    """``profile_steps.py``'s kernel table of ``prof``, per step, printed and written under ``out_dir``."""
+    import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from profile_steps import kernel_table, report
 
-    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    report(title, kernel_table(prof, cuda), steps, out_dir, top=top)
+
+
+def profile_prefill(run, rows: list[dict], live: dict, cuda: bool, out_dir: str) -> None:
+    """One more run of the workload under ``torch.profiler`` from its start until its first pure decode step is
+    planned (the GPU drained first): the kernels of the steps that hold prefill tokens, per such step."""
+    prof = _profiler(cuda)
     state = {"off": False}
     first = len(rows)
 
@@ -227,20 +237,13 @@ def profile_prefill(run, rows: list[dict], live: dict, cuda: bool, out_dir: str)
         prof.stop()
         print("\nprefill profile: the run had no pure decode step; nothing reported")
         return
-    report("prefill steps", kernel_table(prof, cuda), state["steps"], out_dir, top=40)
+    _report("prefill steps", prof, cuda, state["steps"], out_dir, top=40)
 
 
 def profile_decode(run, rows: list[dict], live: dict, n_steps: int, cuda: bool, out_dir: str) -> None:
     """One more run of the workload; ``torch.profiler`` runs from the planning of its first pure decode step
     until ``n_steps`` decode steps have come back (the hooks of :func:`main` call :func:`watch`)."""
-    import sys
-
-    from torch.profiler import ProfilerActivity, profile
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from profile_steps import kernel_table, report
-
-    prof = profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU])
+    prof = _profiler(cuda)
     state = {"on": False, "done": 0, "off": False}
     first = len(rows)
 
@@ -267,7 +270,7 @@ def profile_decode(run, rows: list[dict], live: dict, n_steps: int, cuda: bool, 
     if not state["off"]:
         print(f"\nprofile: fewer than {n_steps} decode steps came back; nothing reported")
         return
-    report("decode steps", kernel_table(prof, cuda), n_steps, out_dir, top=30)
+    _report("decode steps", prof, cuda, n_steps, out_dir, top=30)
 
 
 if __name__ == "__main__":

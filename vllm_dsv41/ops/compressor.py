@@ -334,8 +334,9 @@ def _encode_records_kernel(
              mask=m[:, None])
 
 
-_ROW_COUNT = {"_compress_insert_kernel": ROW_COUNT_ARGS, "_encode_records_kernel": ("N",)}
-"""The row-count argument of each kernel: a bound only, so not specialised (``_triton.ROW_COUNT_ARGS``)."""
+_NOT_SPECIALISED = {"_compress_insert_kernel": ROW_COUNT_ARGS, "_encode_records_kernel": ("N",)}
+"""Per kernel, the integer arguments Triton should not specialise on: the row count, a bound only
+(``_triton.ROW_COUNT_ARGS``)."""
 _JIT_FUNCTIONS = ("_e2m1_codes", "_e4m3_round", "_nvfp4_pack", "_mxfp4_pack", "_cos_sin", "_rope_pairs",
                   "_pooled_chunk", "_latent_chunk", "_compress_insert_kernel", "_encode_records_kernel")
 
@@ -349,7 +350,7 @@ def _kernels():
     module = globals()
     module["tl"] = triton.language
     for name in _JIT_FUNCTIONS:
-        module[name] = triton.jit(module[name], do_not_specialize=_ROW_COUNT.get(name))
+        module[name] = triton.jit(module[name], do_not_specialize=_NOT_SPECIALISED.get(name))
     return module["_compress_insert_kernel"], module["_encode_records_kernel"]
 
 

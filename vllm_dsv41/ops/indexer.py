@@ -227,6 +227,9 @@ def _index_scores_kernel(
 
 
 _JIT_FUNCTIONS = ("_decode_bytes", "_index_scores_kernel")
+_NOT_SPECIALISED = {"_index_scores_kernel": ("stride_bt",)}
+"""Per kernel, the integer arguments Triton should not specialise on: the block table's width varies with the batch
+and is only the stride of a gather."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,8 +242,7 @@ def _kernels():
     module["tl"] = triton.language
     module["_DECODE_PTX"] = triton.language.constexpr(_DECODE_PTX_SRC)
     for name in _JIT_FUNCTIONS:
-        # the block table's width varies with the batch; it is only the stride of a gather
-        module[name] = triton.jit(module[name], do_not_specialize=["stride_bt"] if name == "_index_scores_kernel" else None)
+        module[name] = triton.jit(module[name], do_not_specialize=_NOT_SPECIALISED.get(name))
     return module["_index_scores_kernel"]
 
 
