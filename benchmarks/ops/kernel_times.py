@@ -12,8 +12,8 @@ top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16, bf16 cu
 at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``triton_kernels``' ``matmul_ogs``
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
-``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants) and ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
-model's dtype).  Image torch + Triton suffice for all but ``dense``, ``moe_ogs`` and ``moe_bf16``.  Not collected by
+``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
+model's dtype) and ``mhc_sweep`` (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice for all but ``dense``, ``moe_ogs`` and ``moe_bf16``.  Not collected by
 pytest.
 """
 
@@ -301,6 +301,39 @@ def section_mhc(tokens: list[int], iters: int) -> None:
                     print(f"mhc_{op} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
 
 
+def section_mhc_sweep(tokens: list[int], iters: int) -> None:
+    """``mhc_pre`` / ``mhc_post_pre`` at prefill sizes: the projection in the kernel (``project`` on, the launch
+    config below ``mhc.gemm_from()`` rows) against the streaming kernel + one cuBLAS fp32 GEMM (``project`` off)
+    under a few tiles and H-split counts (``waves`` = the programs per SM the split count aims at).  Session 12
+    swept the in-kernel projection's tiles and splits (32/64 tokens, 16/32/64 columns, 4/8 warps, 2/3 stages, 1-33
+    splits): all within a few % of its default, ~23% of the bandwidth."""
+    import bench_mhc as bm
+
+    from vllm_dsv41.ops import mhc
+    from vllm_dsv41.ops._triton import sm_count
+
+    sms = sm_count(torch.device("cuda"))
+    print("\nmhc at prefill sizes with fp32 streams (C=4, H=5120); MB = every input read once, every output "
+          "written once")
+    for op in ("pre", "post_pre"):
+        fn = mhc._mhc_pre_triton if op == "pre" else mhc._mhc_post_pre_triton
+        for T in tokens:
+            a = bm.op_args(op, bm.make_inputs(T, torch.float32))
+            nbytes = bm.ideal_bytes(op, T, 4)
+            rows = [("projection in the kernel", dict(project=True)), ("cuBLAS projection, default", dict(project=False))]
+            for bt, bh, nw, waves in ((8, 256, 4, 8), (4, 512, 4, 4), (16, 128, 4, 4), (8, 512, 8, 4), (2, 1024, 4, 4),
+                                      (8, 256, 8, 2)):
+                split = max(1, min(-(-waves * sms // -(-T // bt)), -(-bm.H // bh)))
+                rows.append((f"cuBLAS projection, bt{bt} bh{bh} w{nw} (split {split})",
+                             dict(project=False, block_t=bt, block_h=bh, num_warps=nw, split=split)))
+            for vname, cfg in rows:
+                try:
+                    total, per = kernel_us(lambda: fn(*a, config=cfg), iters)
+                    report(f"mhc_{op} T={T} {vname}", nbytes, total, per)
+                except Exception as exc:
+                    print(f"mhc_{op} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
 def section_router(tokens: list[int], iters: int) -> None:
     import bench_router as br
 
@@ -347,6 +380,8 @@ def main() -> int:
             section_moe_ogs(sorted(set(a.tokens) | {512, 4096}), a.iters)
         elif name == "mhc":
             section_mhc(a.tokens + a.prefill, a.iters)
+        elif name == "mhc_sweep":
+            section_mhc_sweep(a.prefill, a.iters)
         elif name == "router":
             section_router(a.tokens, a.iters)
         else:

@@ -143,6 +143,11 @@ INTERPRET_CASES = {
     "post_pre-T17-H64-fp32-bt16-split1": ("post_pre", 17, 4, 64, "float32", {"block_t": 16, "split": 1}, True),
     # 40 splits: three rounds of the epilogue's EPILOGUE_SPLITS-wide reads, the last one partly masked
     "pre-T9-H640-fp32-split40": ("pre", 9, 4, 640, "float32", {"block_h": 16, "split": 40}, False),
+    # the projection through one fp32 GEMM after a streaming kernel (the prefill path)
+    "pre-T9-H640-fp32-gemm": ("pre", 9, 4, 640, "float32", {"project": False}, False),
+    "pre-T5-H96-bf16-gemm-bh32": ("pre", 5, 4, 96, "bfloat16", {"project": False, "block_h": 32}, False),
+    "post_pre-T17-H64-fp32-gemm-strided": ("post_pre", 17, 4, 64, "float32", {"project": False, "split": 2,
+                                                                               "block_h": 32}, True),
 }
 
 # Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even; the
@@ -248,6 +253,34 @@ def test_cuda_fused_stream_is_bitwise_post(T):
     pre_on_new = torch.ops.dsv41.mhc_pre(fused[0], *pre_args(t)[1:])
     for name, a, b in zip(("x", "pre", "post", "comb"), pre_on_new, fused[1:]):
         assert_close(f"fused vs post+pre T={T} {name}", a, b, ratio=_ratio(a.dtype))
+
+
+@requires_cuda
+@pytest.mark.parametrize("op", ["pre", "post_pre"])
+def test_cuda_projection_in_kernel_or_gemm(op):
+    """Both places of the projection (the kernel's MMA below ``gemm_from()`` rows, cuBLAS from there) against the
+    reference on the model's fp32 streams, and the fused stream bitwise equal either way."""
+    T = 1500
+    t = make_inputs(T, 4, 5120, torch.float32, seed=T, device="cuda")
+    args = {"pre": pre_args, "post_pre": post_pre_args}[op](t)
+    fn = {"pre": mhc._mhc_pre_triton, "post_pre": mhc._mhc_post_pre_triton}[op]
+    ref = {"pre": mhc.mhc_pre_ref, "post_pre": mhc.mhc_post_pre_ref}[op](*args)
+    got = {p: fn(*args, config={"project": p}) for p in (True, False)}
+    for p, outs in got.items():
+        for i, (a, b) in enumerate(zip(ref, outs, strict=True)):
+            assert_close(f"mhc_{op} fp32 T={T} project={p} out{i}", a, b, ratio=1e-4)
+    if op == "post_pre":
+        assert torch.equal(got[True][0], got[False][0])
+
+
+def test_gemm_from_env(monkeypatch):
+    monkeypatch.setenv(mhc.GEMM_FROM_ENV, "0")
+    assert mhc.gemm_from() > 1 << 40
+    monkeypatch.setenv(mhc.GEMM_FROM_ENV, "512")
+    assert mhc.gemm_from() == 512
+    monkeypatch.setenv(mhc.GEMM_FROM_ENV, "many")
+    with pytest.raises(ValueError, match="VLLM_DSV41_MHC_GEMM_FROM"):
+        mhc.gemm_from()
 
 
 @requires_cuda

@@ -46,6 +46,13 @@ Kernel design (CUDA, Triton):
   fn's re-reads hit L2.  Parking h in x (T*H elements, a quarter of S) is cheaper than reading S twice.
   The split count is chosen so that token blocks x splits is about two programs per SM; the partials are
   deterministic (no atomics), so results do not depend on the launch order.
+* From ``gemm_from()`` rows (``VLLM_DSV41_MHC_GEMM_FROM``, default 1,024; prefill) the projection leaves the
+  kernel (``PROJECT`` off): the kernel streams S (post-mix, collapse h, both sums of squares) and one cuBLAS fp32
+  GEMM ``v @ fn^T`` fills split 0's projection columns, which the epilogue then sums as before.  At these sizes
+  the in-kernel MMA ran at ~23% of the bandwidth whatever the tile or split count (its S tiles change layout
+  through shared memory for the MMA); measured on an H200 at 16k rows with fp32 streams: ``mhc_pre`` 1.50 ->
+  1.29 ms, ``mhc_post_pre`` 2.87 -> 1.86 ms (docs/benchmarks.md, session 12).  The GEMM reads S a second time,
+  which is why small T keeps the projection inside.
 * Numerics: fp32 accumulation throughout.  For bf16 S the operands of ``tl.dot`` are S (exact in bf16)
   and fn split into bf16 hi + lo parts (two MMAs, ~2^-17 relative error per product, i.e. fp32-level);
   for other dtypes ``input_precision="tf32x3"``.  h is parked in x's dtype, so a bf16 x is rounded twice
@@ -62,6 +69,7 @@ Kernel design (CUDA, Triton):
 from __future__ import annotations
 
 import functools
+import os
 from types import SimpleNamespace
 
 import torch
@@ -144,7 +152,7 @@ def _mhc_pre_kernel(
     stride_ps, stride_pt, stride_pn,
     C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-    FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr,
+    FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, PROJECT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -200,20 +208,21 @@ def _mhc_pre_kernel(
             else:
                 s_j = tl.load(s_ptr + offs_t[:, None] * stride_st + j * stride_sc + offs_h[None, :] * stride_sh,
                               mask=mask_th, other=0.0)                               # [BLOCK_T, BLOCK_H]
-            f_j = tl.load(fn_ptr + offs_n[None, :] * stride_fn + (j * H + offs_h)[:, None] * stride_fk,
-                          mask=mask_n[None, :] & mask_h[:, None], other=0.0)         # [BLOCK_H, NP] fp32
-            if BF16_SPLIT:
-                # S is exact in bf16; fn = hi + lo in bf16 keeps ~16 mantissa bits: two bf16 MMAs
-                f_hi = f_j.to(tl.bfloat16)
-                f_lo = (f_j - f_hi.to(tl.float32)).to(tl.bfloat16)
-                if BF16_MMA:
-                    acc = tl.dot(s_j, f_hi, acc)
-                    acc = tl.dot(s_j, f_lo, acc)
-                else:  # the interpreter's dot cannot take bf16: same bf16 values, fp32 products
-                    acc = tl.dot(s_j.to(tl.float32), f_hi.to(tl.float32), acc, input_precision="ieee")
-                    acc = tl.dot(s_j.to(tl.float32), f_lo.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision="tf32x3")
+            if PROJECT:  # else the caller projects the whole stream through cuBLAS (large T)
+                f_j = tl.load(fn_ptr + offs_n[None, :] * stride_fn + (j * H + offs_h)[:, None] * stride_fk,
+                              mask=mask_n[None, :] & mask_h[:, None], other=0.0)         # [BLOCK_H, NP] fp32
+                if BF16_SPLIT:
+                    # S is exact in bf16; fn = hi + lo in bf16 keeps ~16 mantissa bits: two bf16 MMAs
+                    f_hi = f_j.to(tl.bfloat16)
+                    f_lo = (f_j - f_hi.to(tl.float32)).to(tl.bfloat16)
+                    if BF16_MMA:
+                        acc = tl.dot(s_j, f_hi, acc)
+                        acc = tl.dot(s_j, f_lo, acc)
+                    else:  # the interpreter's dot cannot take bf16: same bf16 values, fp32 products
+                        acc = tl.dot(s_j.to(tl.float32), f_hi.to(tl.float32), acc, input_precision="ieee")
+                        acc = tl.dot(s_j.to(tl.float32), f_lo.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision="tf32x3")
             s_j = s_j.to(tl.float32)
             ssq_v += tl.sum(s_j * s_j, axis=1)
             pp_j = tl.sum(tl.where(offs_c[None, :] == j, pp, 0.0), axis=1)                # [BLOCK_T]
@@ -393,6 +402,44 @@ def _pre_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
     return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4, num_stages=2)
 
 
+GEMM_FROM_ENV = "VLLM_DSV41_MHC_GEMM_FROM"
+GEMM_FROM_DEFAULT = 1024
+
+
+def gemm_from() -> int:
+    """Rows from which the boundary's projection leaves the kernel for one cuBLAS fp32 GEMM
+    (``VLLM_DSV41_MHC_GEMM_FROM``, default 1024; 0 = never)."""
+    v = os.environ.get(GEMM_FROM_ENV, "")
+    try:
+        n = int(v) if v else GEMM_FROM_DEFAULT
+    except ValueError:
+        raise ValueError(f"{GEMM_FROM_ENV}={v!r}: expected a row count (0 = never)") from None
+    return n if n > 0 else 1 << 62
+
+
+def _stream_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
+    """Launch parameters of ``_mhc_pre_kernel`` without the projection (a streaming kernel: no MMA, so no
+    16-row minimum and no shared-memory layout changes), and enough H splits for about four programs per SM.
+    Tiles from CUPTI kernel times on an H200 at 1k-16k rows with fp32 streams (docs/benchmarks.md, session 12,
+    ``kernel_times.py --only mhc_sweep``): 2 tokens x 1,024 columns for ``mhc_pre``, 16 x 128 with the post-mix
+    (its C source tiles per stream); the other tiles tried were within 3-10%."""
+    block_t, block_h = (16, 128) if fuse_post else (2, 1024)
+    split = max(1, min(_cdiv(4 * sm_count(device), _cdiv(T, block_t)), _cdiv(H, block_h)))
+    return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4, num_stages=2)
+
+
+def _fp32_projection(v: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """v [T, C*H] @ fn^T in fp32 through cuBLAS, TF32 off for the call whatever the process chose (the
+    reference is an fp32 product; TF32 would keep 10 mantissa bits of the stream)."""
+    if not torch.backends.cuda.matmul.allow_tf32:
+        return torch.mm(v, fn.t())
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return torch.mm(v, fn.t())
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+
 def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int, int, int]:
     assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
     T, C, H = stream.shape
@@ -424,7 +471,8 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     if T == 0:
         return new_stream, x, pre, post, comb
 
-    cfg = {**_pre_config(T, H, fuse, dev), **(config or {})}
+    project = (config or {}).get("project", T < gemm_from())  # the projection inside the kernel
+    cfg = {**(_pre_config(T, H, fuse, dev) if project else _stream_config(T, H, fuse, dev)), **(config or {})}
     block_h = cfg["block_h"]
     hs = _cdiv(_cdiv(H, cfg["split"]), block_h) * block_h  # H per split, in whole chunks
     split = _cdiv(H, hs)
@@ -445,9 +493,12 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         T, H, hs,
         *stream.stride(), *src_strides, *fn.stride(), *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
-        FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(),
+        FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if not project:  # the kernel left the projection columns 0: split 0 takes the whole product
+        v = (new_stream if fuse else stream).reshape(T, C * H)
+        part[0, :, :nmix] = _fp32_projection(v if v.dtype == torch.float32 else v.float(), fn)
 
     ep_t, ep_h = 8, 512
     nhb = _cdiv(H, ep_h)
