@@ -120,14 +120,21 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
     """The gathered-keys attention path (``ops.sparse_attn_gathered``, the FlashMLA prefill route) wired into the
     model, with the CPU stand-in of FlashMLA's kernel and the path forced for every step: exact mode equals the
     reference token for token and the plain ops path's logits to fp32 rounding; default mode (decoder rows
-    pruned, so the decoder layers' plans are their own, and a replayed prefix hit) equals the pruned reference."""
+    pruned, so the decoder layers' plans are their own, and a replayed prefix hit) equals the pruned reference.
+    Every gather plan is made without a host read: its host-side block bound holds on every step."""
     from vllm_dsv41.ops import sparse_attn_gathered as sag
 
-    calls = []
+    calls, plans, make_plan = [], [], sag.gather_plan
 
     def kernel(*a, **kw):
         calls.append(a[0].shape[0])
         return sag.sparse_fwd_ref(*a, **kw)
+
+    def plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks=None):
+        plans.append((torch.unique(slots[slots >= 0] // bstep).numel(), max_blocks))
+        return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
+
+    monkeypatch.setattr(sag, "gather_plan", plan)
 
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
     monkeypatch.setattr(sag, "applies", lambda q, rows: True)
@@ -155,6 +162,8 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
     assert hit >= 64, "the prefix-cache hit was not taken"
     ref, _ = tiny_model.generate(follow, MAX_TOKENS, prune=True, replay_start=hit - W, hit=hit, filler=base)
     assert list(second.outputs[0].token_ids) == ref
+    assert plans and all(bound is not None and touched <= bound for touched, bound in plans), plans
+    print(f"{len(plans)} gather plans, blocks touched / bound: {sum(t for t, _ in plans)} / {sum(b for _, b in plans)}")
 
 
 def test_gathered_path_failure_falls_back_to_sparse_attn(tiny_ckpt, tiny_model, prompts, monkeypatch, caplog):

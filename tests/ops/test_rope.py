@@ -1,4 +1,4 @@
-"""``dsv41::rope`` against ``reference.model.apply_rope`` (the CPU op is the reference; the Triton kernel in the
+"""``dsv41::rope`` / ``dsv41::rope_`` against ``reference.model.apply_rope`` (the CPU op is the reference; the Triton kernel in the
 interpreter on CPU and compiled on CUDA).  ``python -m tests.ops.test_rope --interpret`` is the interpreter run."""
 
 from __future__ import annotations
@@ -32,8 +32,27 @@ def test_cpu_op_is_the_reference():
     assert got.dtype == torch.bfloat16 and torch.equal(got, apply_rope(xb.float(), pos, inv).to(torch.bfloat16))
 
 
+def test_cpu_inplace_op_equals_the_copy():
+    import vllm_dsv41.ops.rope  # noqa: F401
+
+    x, pos, inv = make_case(5, 3, 64, 16, 0)
+    for xt in (x, x.to(torch.bfloat16), x[:, 0]):  # [T, H, D], bf16, [T, D]
+        want = torch.ops.dsv41.rope(xt, pos, inv)
+        got = xt.clone()
+        assert torch.ops.dsv41.rope_(got, pos, inv) is None
+        assert torch.equal(got, want)
+
+
+def test_rejects_mismatched_positions():
+    import vllm_dsv41.ops.rope  # noqa: F401
+
+    x, pos, inv = make_case(5, 3, 64, 16, 0)
+    with pytest.raises(ValueError, match="positions"):
+        torch.ops.dsv41.rope_(x, pos[:4], inv)
+
+
 def _kernel_vs_ref(T, H, D, R, start, device, dtype=torch.float32):
-    from vllm_dsv41.ops.rope import _rope_triton, rope_ref
+    from vllm_dsv41.ops.rope import _rope_inplace_triton, _rope_triton, rope_ref
 
     x, pos, inv = make_case(T, H, D, R, start, device)
     x = x.to(dtype)
@@ -43,6 +62,17 @@ def _kernel_vs_ref(T, H, D, R, start, device, dtype=torch.float32):
     assert torch.equal(got.cpu()[..., : D - R], x.cpu()[..., : D - R]), "NoPE dims changed"
     assert_close(f"rope T={T} H={H} D={D} R={R} start={start} {dtype}", ref.float(), got.cpu().float(),
                  ratio=1e-5 if dtype == torch.float32 else 1e-2)
+    inplace = x.clone()
+    _rope_inplace_triton(inplace, pos, inv)
+    assert torch.equal(inplace, got), "in place differs from the copy"
+    # a strided view (one of two interleaved copies): only its rows turn, the other copy stays
+    wide = torch.stack((x, x), 2)                                                          # [T, H, 2, D]
+    _rope_inplace_triton(wide[:, :, 0], pos, inv)
+    assert torch.equal(wide[:, :, 0], got) and torch.equal(wide[:, :, 1], x)
+    # negative positions turn back (the inverse RoPE of the attention output)
+    _rope_inplace_triton(inplace, -pos, inv)
+    assert_close(f"rope there and back T={T} H={H} {dtype}", x.cpu().float(), inplace.cpu().float(),
+                 ratio=1e-5 if dtype == torch.float32 else 2e-2)
 
 
 def _interpreter_main() -> int:

@@ -57,6 +57,50 @@ def test_gather_plan_lands_every_slot_on_its_record():
     assert torch.equal(plan.blocks, touched)
 
 
+@pytest.mark.parametrize("slack", [0, 5])
+def test_bounded_plan_equals_the_read_back_one(slack):
+    """With a host-side bound the plan needs no host read: the same workspace rows, the touched blocks first (in the
+    same order), then block 0 up to the bound (or the pool's block count)."""
+    g = torch.Generator().manual_seed(2)
+    records = torch.randint(0, 256, (300, 24), dtype=torch.uint8, generator=g)
+    flat, bstep, rstep, to_flat = packed_pool(records, 32, 40, g)
+    slots = to_flat(torch.randint(-1, 300, (7, 50), generator=g))
+    read = sag.gather_plan(slots, bstep, rstep, 32, flat.shape[0])
+    n = read.blocks.numel()
+    bounded = sag.gather_plan(slots, bstep, rstep, 32, flat.shape[0], max_blocks=n + slack)
+    assert torch.equal(bounded.rows, read.rows)
+    pool_blocks = (flat.shape[0] - 1) // bstep + 1  # the list never outgrows the pool
+    assert torch.equal(bounded.blocks[:n], read.blocks) and bounded.blocks.numel() == min(n + slack, pool_blocks)
+    assert (bounded.blocks[n:] == 0).all()
+    dec = lambda r: r.float()  # noqa: E731
+    assert torch.equal(sag.gather_keys(flat, bounded, bstep, rstep, dec)[: n * 32],
+                       sag.gather_keys(flat, read, bstep, rstep, dec))
+
+
+def test_block_bounds_cover_every_list():
+    """The host-side bounds against the blocks that every possible SWA list / compressed selection of random
+    requests reaches through random block tables (the bound counts a request's blocks; shared blocks only lower
+    the truth)."""
+    g = torch.Generator().manual_seed(4)
+    for _ in range(50):
+        R, e, W, r = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g)), 16, 2
+        first = torch.randint(0, 200, (R,), generator=g)
+        last = first + torch.randint(0, 40, (R,), generator=g)
+        table = torch.randperm(10_000, generator=g)[: R * 256].view(R, 256)  # distinct blocks per request
+        swa, comp = set(), set()
+        for i in range(R):
+            for p in range(int(first[i]), int(last[i]) + 1):
+                for k in range(max(p - W + 1, 0), p + 1):
+                    swa.add(int(table[i, k // e]))
+            for j in range((int(last[i]) + 1) // r):
+                comp.add(int(table[i, j // e]))
+        assert len(swa) == sag.swa_block_bound(first, last, W, e)  # distinct tables: the bound is exact
+        assert len(comp) == sag.entry_block_bound(last, r, e)
+    # a request without rows in the step counts nothing
+    assert sag.swa_block_bound(torch.tensor([0]), torch.tensor([-1]), W, 4) == 0
+    assert sag.entry_block_bound(torch.tensor([-1]), 2, 4) == 0
+
+
 def test_combined_indices_shift_and_pad():
     swa = sag.GatherPlan(torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 1, -1]], dtype=torch.int32), 4)
     comp = sag.GatherPlan(torch.zeros(1, dtype=torch.int64), torch.tensor([[2, -1]], dtype=torch.int32), 4)

@@ -50,6 +50,18 @@ LOOKBACK_DEPTH = 3
 PAD_SLOT = -1
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``t.to(device, dtype)`` for a host tensor without waiting for the device: a plain ``.to`` of a host tensor
+    synchronises the stream (PyTorch's blocking host-to-device copy), which in an eager prefill step stalls the host
+    until the GPU has run every kernel queued so far.  Through pinned memory, non-blocking (the pinned block is not
+    reused before the copy ran)."""
+    dtype = dtype or t.dtype
+    if t.device.type != "cpu" or torch.device(device).type != "cuda":
+        return t.to(device=device, dtype=dtype)
+    src = t.to(dtype)
+    return (src if src.is_pinned() else src.pin_memory()).to(device, non_blocking=True)
+
+
 @dataclass
 class DSV41StepMetadata:
     """What one engine step schedules, request by request (CPU tensors).
@@ -87,7 +99,7 @@ class DSV41StepMetadata:
         got = self._on.get(key)
         if got is None:
             t = self.replayed_token_mask() if name == "replayed" else getattr(self, name)
-            got = self._on[key] = t.to(device=device, dtype=dtype or t.dtype)
+            got = self._on[key] = host_to_device(t, device, dtype)
         return got
 
     @property

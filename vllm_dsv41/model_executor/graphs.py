@@ -189,6 +189,8 @@ class StaticStep(Step):
         model's device), padded rows get id 0."""
         self.meta = meta
         self.scratch.clear()
+        self._rows.clear()
+        self.__dict__.pop("request_spans", None)  # Step's cached host facts of the previous step
         self.input_ids[:n].copy_(input_ids[:n])
         self.input_ids[n:].zero_()
         for key, t in self._fields(meta).items():

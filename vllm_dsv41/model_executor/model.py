@@ -37,7 +37,7 @@ from vllm_dsv41 import engram as engram_math
 from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
-from vllm_dsv41.attention.backend import current_step
+from vllm_dsv41.attention.backend import current_step, host_to_device
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fuse_rows_on_cuda,
                                               fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
@@ -183,7 +183,7 @@ class Attention(nn.Module):
         """Ratio 2: the compressor row of position p-1 for every token (the partner of a closing
         token): the previous row of this step when it is that position of the same request, else
         the request's ring.  Read before this step's ring write.  [T, 2D]."""
-        pos, req = step.take(step.positions, tok), step.take(step.req_idx, tok)
+        pos, req = step.rows_of(tok)
         ring_md, cap = step.group(self.ring.prefix), self.ring.capacity
         t = torch.arange(tok.numel(), device=rows.device)
         before = (t - 1).clamp(min=0)
@@ -193,7 +193,7 @@ class Attention(nn.Module):
 
     def _ring_write(self, step: Step, tok: torch.Tensor, rows: torch.Tensor) -> None:
         """The ring keeps each request's last ``capacity`` positions of this step."""
-        pos, req = step.take(step.positions, tok), step.take(step.req_idx, tok)
+        pos, req = step.rows_of(tok)
         last = step.seq_lens[req] - 1
         keep = pos > last - self.ring.capacity
         slots = step.take(step.group(self.ring.prefix).slot_mapping, tok)
@@ -259,7 +259,7 @@ class Attention(nn.Module):
             kv_score = kv_c
         comp_slots = self._write_slots(step, self.comp_cache, tok)
         idx_slots = self._write_slots(step, self.index_cache, tok)
-        _ops().compress_insert(kv_score, prev, step.take(step.positions, tok), r, self.compressor.norm.weight,
+        _ops().compress_insert(kv_score, prev, step.rows_of(tok)[0], r, self.compressor.norm.weight,
                                self.indexer.wk.weight, self.indexer.k_norm.weight, self.eps, self.inv_freq,
                                comp_slots, idx_slots, self.comp_cache.flat_rows()[0],
                                self.index_cache.flat_rows()[0])
@@ -328,9 +328,9 @@ class Attention(nn.Module):
         cfg, plan = self.cfg, self.plan
         ops = _ops()
         r = plan.compress_ratio
-        own = pos is step.positions  # the step's own rows: shared by every index layer of this ratio
-        n_vis = step.once(("n_vis", r) if own else None, lambda: ((pos + 1) // r).to(torch.int32))
-        req32 = step.once("req_idx_i32" if own else None, lambda: req.to(torch.int32))
+        # pos / req are step-held (Step.rows_of): shared by every index layer of this ratio and row set
+        n_vis = step.once(("n_vis", r, id(pos)), lambda: ((pos + 1) // r).to(torch.int32))
+        req32 = step.once(("req_idx_i32", id(req)), lambda: req.to(torch.int32))
         n_max = (step.max_position + 1) // r  # host bound, >= every row's n_vis (extra columns are -inf)
         src = model.attn_of(plan.kv_source)
         qi = self.indexer.wq_b(qr).view(-1, cfg.index_n_heads, cfg.index_head_dim)
@@ -352,28 +352,26 @@ class Attention(nn.Module):
 
     def _swa_slots(self, step: Step, pos: torch.Tensor, req: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """SWA keys of every row: positions max(p - W + 1, floor, 0) .. p, as rows of the flat SWA
-        cache view, -1 padded.  [R, W] int64 (a large pool's flat rows pass 2^31)."""
+        cache view, -1 padded.  [R, W] int64 (a large pool's flat rows pass 2^31).  pos / req come from
+        ``Step.rows_of`` and floors from the model's loop, all step-held: the positions are made once per row set
+        and floors, their rows once more per group and cache geometry (shared by the layers, the decoder's
+        pruned rows included)."""
         g = step.group(self.swa_cache.prefix)
         geometry = self.swa_cache.flat_rows()[1:]
-        # when the rows are the step's own: the positions for every SWA group, their rows for every layer
-        # of one group and cache geometry
-        own = pos is step.positions and floors is step.replay_start
 
         def positions() -> torch.Tensor:
             W = self.cfg.sliding_window
             kp = pos[:, None] - (W - 1) + torch.arange(W, device=pos.device)[None, :]
             return torch.where(kp >= floors[req].clamp(min=0)[:, None], kp, torch.full_like(kp, -1))
 
-        if not own:
-            return g.slots_of(req, positions(), geometry)
-        kp = step.once("swa_positions", positions)
-        return step.once(("swa_slots", id(g), geometry), lambda: g.slots_of(req, kp, geometry))
+        kp = step.once(("swa_positions", id(pos), id(floors)), positions)
+        return step.once(("swa_slots", id(g), geometry, id(pos), id(floors)), lambda: g.slots_of(req, kp, geometry))
 
     def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
                     xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """All rows at once through ``dsv41::sparse_attn`` (inverse RoPE included)."""
         cfg, plan = self.cfg, self.plan
-        pos, req = step.take(step.positions, out_tok), step.take(step.req_idx, out_tok)
+        pos, req = step.rows_of(out_tok)
         src = comp_cache = comp_slots = None
         if plan.compress_ratio > 0:
             if plan.owns_indexer:
@@ -407,27 +405,32 @@ class Attention(nn.Module):
         plan = self.plan
         swa_flat, bstep, rstep = self.swa_cache.flat_rows()
         swa_slots = self._swa_slots(step, pos, req, floors)
-        own = pos is step.positions and floors is step.replay_start
-        key = ("gather_swa", id(step.group(self.swa_cache.prefix)), bstep, rstep, swa_flat.shape[0]) if own else None
+        first, last = step.request_spans  # host bounds on the blocks the lists can touch: plans without a host read
+        e = self.swa_cache.rows_per_block
+        key = ("gather_swa", id(step.group(self.swa_cache.prefix)), bstep, rstep, swa_flat.shape[0], id(pos), id(floors))
         swa_plan = step.once(key, lambda: sparse_attn_gathered.gather_plan(
-            swa_slots, bstep, rstep, self.swa_cache.rows_per_block, swa_flat.shape[0]))
+            swa_slots, bstep, rstep, e, swa_flat.shape[0],
+            sparse_attn_gathered.swa_block_bound(first, last, self.cfg.sliding_window, e)))
         comp_flat = comp_plan = comp_steps = None
         if src is not None:
             comp_flat, cb, cr = src.comp_cache.flat_rows()
             comp_steps = (cb, cr)
+            ec = src.comp_cache.rows_per_block
             comp_plan = step.once(("gather_comp", plan.index_source, plan.kv_source),
-                                  lambda: sparse_attn_gathered.gather_plan(comp_slots, cb, cr,
-                                                                           src.comp_cache.rows_per_block,
-                                                                           comp_flat.shape[0]))
+                                  lambda: sparse_attn_gathered.gather_plan(
+                                      comp_slots, cb, cr, ec, comp_flat.shape[0],
+                                      sparse_attn_gathered.entry_block_bound(last, src.plan.compress_ratio, ec)))
         return sparse_attn_gathered.sparse_attn_gathered(
             q, swa_flat, swa_plan, (bstep, rstep), comp_flat, comp_plan, comp_steps, self.attn_sink,
             self.cfg.head_dim ** -0.5, pos, self.inv_freq)
 
     def _rope(self, step: Step, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """``apply_rope`` (``dsv41::rope`` on the ops path); on the plain path over the step's own positions
-        the cos/sin are computed once per step and RoPE setting and shared by every layer (same bits)."""
+        """``apply_rope`` (``dsv41::rope_``, in place, on the ops path: x is always a fresh GEMM output here); on
+        the plain path over the step's own positions the cos/sin are computed once per step and RoPE setting and
+        shared by every layer (same bits)."""
         if step.use_ops:
-            return _ops().rope(x, pos, self.inv_freq)
+            _ops().rope_(x, pos, self.inv_freq)
+            return x
         cs = step.once(("rope", self.plan.rope) if pos is step.positions else None,
                        lambda: rope_cos_sin(pos, self.inv_freq))
         return apply_rope(x, pos, self.inv_freq, cos_sin=cs)
@@ -441,18 +444,18 @@ class Attention(nn.Module):
         qa, kv_raw = self._qkv_a(x, step.use_ops)
         qr_all = self.norm(qa, self._q_norm_weights.get(qa.dtype, self.q_norm.weight), self.eps)
         if step.use_ops:  # norm, RoPE, MXFP8 record and write in one op
-            _ops().swa_insert(kv_raw, self.kv_norm.weight, self.eps, step.take(step.positions, tok),
+            _ops().swa_insert(kv_raw, self.kv_norm.weight, self.eps, step.rows_of(tok)[0],
                               self.inv_freq, self._write_slots(step, self.swa_cache, tok),
                               self.swa_cache.flat_rows()[0])
         else:
             kv = self.norm(kv_raw, self.kv_norm.weight, self.eps)
-            self._write_swa(step, tok, self._rope(step, kv, step.take(step.positions, tok)))
+            self._write_swa(step, tok, self._rope(step, kv, step.rows_of(tok)[0]))
         if plan.owns_compressor:
             (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
         out_tok = step.take(tok, rows)
         xr, qr = step.take(x, rows), step.take(qr_all, rows)
         q_in = qr.to(self.q_dtype) if step.use_ops and self.q_dtype is not None else qr
-        q = self._rope(step, self.wq_b(q_in).view(-1, cfg.num_attention_heads, D), step.take(step.positions, out_tok))
+        q = self._rope(step, self.wq_b(q_in).view(-1, cfg.num_attention_heads, D), step.rows_of(out_tok)[0])
         attend = self._attend_ops if step.use_ops else self._attend_torch
         o = attend(model, step, q, out_tok, xr, qr, floors)
         z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))
@@ -644,7 +647,7 @@ def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
         return step.all_rows(T)
     qsl = step.query_start_loc_cpu.tolist()
     keep = [torch.arange(max(qsl[i], qsl[i + 1] - window), qsl[i + 1]) for i in range(step.num_reqs)]
-    return (torch.cat(keep) if keep else torch.arange(0)).to(step.device)
+    return host_to_device(torch.cat(keep) if keep else torch.arange(0), step.device)
 
 
 class DeepseekV41Model(nn.Module):
@@ -719,8 +722,8 @@ class DeepseekV41Model(nn.Module):
             floors = base_floor
             if kept.numel() < T and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
-            elif kept.numel() < T and plan.is_decoder:
-                floors = torch.maximum(base_floor, step.seq_lens - cfg.sliding_window)
+            elif kept.numel() < T and plan.is_decoder:  # one tensor for every decoder layer (per-step caches key on it)
+                floors = step.once("decoder_floors", lambda: torch.maximum(base_floor, step.seq_lens - cfg.sliding_window))
             S, pre = layer(self, step, S, pre, tok, rows, floors)
             tok = step.take(tok, rows)
         return S, pre, tok

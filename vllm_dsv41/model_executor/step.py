@@ -81,6 +81,7 @@ class Step:
     _dev: dict = field(default_factory=dict, repr=False)  # cached device copies of metadata
     _groups: dict = field(default_factory=dict, repr=False)  # id(group metadata) -> GroupView
     _aranges: dict = field(default_factory=dict, repr=False)  # n -> arange(n), see all_rows / take
+    _rows: dict = field(default_factory=dict, repr=False)  # id(token index) -> (it, positions, requests), rows_of
 
     def all_rows(self, n: int) -> torch.Tensor:
         """``arange(n)`` on the step's device, one object per length: indexing a length-n tensor with it
@@ -103,6 +104,19 @@ class Step:
     def take(self, t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """``t[idx]`` along dim 0, without a gather when ``idx`` is :meth:`all_rows` of ``t``'s length."""
         return t if idx is self._aranges.get(t.shape[0]) else t[idx]
+
+    def rows_of(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions, request index) of the step rows ``tok``: the step's own tensors when ``tok`` is every row,
+        else gathered once per index tensor and step (the decoder layers share their pruned rows).  The step keeps
+        ``tok`` alive with the result, so both results are step-held objects: per-step caches may key on their
+        ``id``."""
+        pos = self.positions
+        if tok is self._aranges.get(pos.shape[0]):  # as take(): every row
+            return pos, self.req_idx
+        got = self._rows.get(id(tok))
+        if got is None:
+            got = self._rows[id(tok)] = (tok, pos[tok], self.req_idx[tok])
+        return got[1], got[2]
 
     def _on_device(self, name: str) -> torch.Tensor:
         """Metadata field ``name`` as int64 on the step's device: the builders' copy when they made one
@@ -155,6 +169,19 @@ class Step:
     @property
     def replay_start(self) -> torch.Tensor:
         return self._on_device("replay_start")
+
+    @functools.cached_property
+    def request_spans(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first, last) position of every request's rows in this step, host int64 [num_reqs] (a request without
+        rows: first 0, last -1)."""
+        qsl = self.meta.query_start_loc.to(torch.int64)
+        p = self.meta.positions.to(torch.int64)
+        has = qsl[1:] > qsl[:-1]
+        if p.numel() == 0:
+            return torch.zeros_like(has, dtype=torch.int64), torch.full_like(has, -1, dtype=torch.int64)
+        first = torch.where(has, p[qsl[:-1].clamp(max=p.numel() - 1)], 0)
+        last = torch.where(has, p[(qsl[1:] - 1).clamp(min=0)], -1)
+        return first, last
 
     def needs_pruning(self, window: int) -> bool:
         """Decoder pruning pays off only when some request brings more than ``window`` rows."""

@@ -4,9 +4,10 @@ Same maths and arguments as ``dsv41::sparse_attn`` (:mod:`vllm_dsv41.ops.sparse_
 
 1. **Gather plan** (:func:`gather_plan`): the cache blocks a step's slot lists touch, and for every listed slot
    its row in a workspace that holds those blocks' records one after another.  No sort: the touched blocks are
-   marked in a per-block table (``scatter_reduce`` max), numbered by a prefix sum, and read back once
-   (``nonzero``: a host read, so this path is for eager prefill steps, never for captured decode steps).  The
-   model computes one plan per slot list and step and shares it between the layers that read the same list.
+   marked in a per-block table (``scatter_reduce`` max), numbered by a prefix sum, and scattered to their ranks in
+   a list sized by a host-side bound (the blocks the step's requests can reach: no host read, so the host keeps
+   running ahead of the GPU; ``nonzero`` without a bound).  The model computes one plan per slot list and step and
+   shares it between the layers that read the same list.
 2. **Workspace**: every record of those blocks decoded to bf16 (exact: a record element has at most 8
    significant bits), the SWA table then the compressed one.
 3. **Kernel**: vLLM 0.32's ``flash_mla_sparse_fwd`` (FlashMLA's sparse prefill: bf16 q and keys, per-row key
@@ -61,10 +62,16 @@ class GatherPlan:
     rows_per_block: int
 
 
-def gather_plan(slots: torch.Tensor, bstep: int, rstep: int, rows_per_block: int, n_flat: int) -> GatherPlan:
+def gather_plan(slots: torch.Tensor, bstep: int, rstep: int, rows_per_block: int, n_flat: int,
+                max_blocks: int | None = None) -> GatherPlan:
     """Plan for ``slots`` [R, N] (rows of a flat cache view with block step ``bstep`` and row step ``rstep``,
     ``CacheLayer.flat_rows``; ``n_flat`` rows in the view; -1 = none): slot ``b * bstep + i * rstep`` lands
-    on workspace row ``rank(b) * rows_per_block + i``."""
+    on workspace row ``rank(b) * rows_per_block + i``.
+
+    ``max_blocks``: an upper bound on the blocks the slots touch, known on the host (:func:`swa_block_bound`,
+    :func:`entry_block_bound`).  With it the plan is made without a host read: the touched blocks are scattered to
+    their ranks in a list of ``max_blocks`` entries, whose unused tail repeats block 0 (decoded, never indexed).
+    Without it (None) the list is read back through ``nonzero``, which waits for the device."""
     valid = slots >= 0
     s = torch.where(valid, slots, 0).to(torch.int64)
     blk = s // bstep
@@ -74,7 +81,29 @@ def gather_plan(slots: torch.Tensor, bstep: int, rstep: int, rows_per_block: int
     mark.scatter_reduce_(0, blk.flatten(), valid.flatten().to(torch.int32), "amax")
     rank = torch.cumsum(mark, 0) - 1
     rows = torch.where(valid, rank[blk] * rows_per_block + off, -1).to(torch.int32)
-    return GatherPlan(mark.nonzero().squeeze(1), rows, rows_per_block)
+    if max_blocks is None:
+        return GatherPlan(mark.nonzero().squeeze(1), rows, rows_per_block)
+    n = min(max_blocks, n_blocks)
+    dst = torch.where(mark > 0, rank, n).clamp(max=n)  # untouched blocks go to a spare entry past the list
+    blocks = torch.zeros(n + 1, dtype=torch.int64, device=slots.device)
+    blocks.scatter_(0, dst.to(torch.int64), torch.arange(n_blocks, device=slots.device))
+    return GatherPlan(blocks[:n], rows, rows_per_block)
+
+
+def swa_block_bound(first: torch.Tensor, last: torch.Tensor, window: int, rows_per_block: int) -> int:
+    """Most blocks of a per-position cache that the rows of requests spanning positions ``first[i]..last[i]``
+    (host tensors) can list with a window of ``window`` keys: the blocks of positions max(first - window + 1, 0)
+    .. last of every request (a block shared by two requests counts twice)."""
+    lo = (first.to(torch.int64) - window + 1).clamp(min=0)
+    hi = last.to(torch.int64)
+    return int((hi // rows_per_block - lo // rows_per_block + 1).clamp(min=0).sum())
+
+
+def entry_block_bound(last: torch.Tensor, ratio: int, rows_per_block: int) -> int:
+    """Most blocks of a compressed cache (an entry per ``ratio`` positions) that rows of requests whose last
+    position is ``last[i]`` (host tensor) can select from: every visible entry, (last + 1) // ratio of them."""
+    n = (last.to(torch.int64) + 1).clamp(min=0) // ratio
+    return int(((n + rows_per_block - 1) // rows_per_block).sum())
 
 
 def gather_keys(flat: torch.Tensor, plan: GatherPlan, bstep: int, rstep: int, decode) -> torch.Tensor:
@@ -170,4 +199,6 @@ def sparse_attn_gathered(q: torch.Tensor, swa_flat: torch.Tensor, swa_plan: Gath
     kv = torch.cat(kv).unsqueeze(1).contiguous()
     kernel = kernel or flashmla_sparse_fwd()
     out = kernel(q.contiguous(), kv, idx, scale, D, attn_sink=sink.float().contiguous())[0]
-    return rope_op.rope(out.to(q.dtype), -positions, inv_freq)
+    out = out.to(q.dtype)  # the kernel's fresh output: rotated back in place
+    rope_op.rope_(out, -positions, inv_freq)
+    return out
