@@ -44,6 +44,7 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
                                               ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
+from vllm_dsv41.ops import mhc as mhc_op
 from vllm_dsv41.ops import sparse_attn_gathered
 from vllm_dsv41.ops.sparse_attn import skip_empty_pays
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
@@ -753,6 +754,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.bounded_replay = not exact_mode()
         self.ops_mode = ops_mode()
         sparse_attn_gathered.mode()  # a misspelt VLLM_DSV41_PREFILL_ATTN fails the engine start, not a request
+        mhc_op.gemm_from()  # the same for VLLM_DSV41_MHC_GEMM_FROM
         cfg = self.cfg
         self.weights = WeightFormat.choose(exact_mode())
         wf = self.weights
