@@ -320,7 +320,8 @@ def section_mhc_sweep(tokens: list[int], iters: int) -> None:
         for T in tokens:
             a = bm.op_args(op, bm.make_inputs(T, torch.float32))
             nbytes = bm.ideal_bytes(op, T, 4)
-            rows = [("projection in the kernel", dict(project=True)), ("cuBLAS projection, default", dict(project=False))]
+            rows = [("projection in the kernel", dict(project=True)),
+                    ("cuBLAS projection, default", dict(project=False))]
             for bt, bh, nw, waves in ((8, 256, 4, 8), (4, 512, 4, 4), (16, 128, 4, 4), (8, 512, 8, 4), (2, 1024, 4, 4),
                                       (8, 256, 8, 2)):
                 split = max(1, min(-(-waves * sms // -(-T // bt)), -(-bm.H // bh)))

@@ -1,5 +1,6 @@
-"""``dsv41::rope`` / ``dsv41::rope_`` against ``reference.model.apply_rope`` (the CPU op is the reference; the Triton kernel in the
-interpreter on CPU and compiled on CUDA).  ``python -m tests.ops.test_rope --interpret`` is the interpreter run."""
+"""``dsv41::rope`` / ``dsv41::rope_`` against ``reference.model.apply_rope`` (the CPU op is the reference; the
+Triton kernel in the interpreter on CPU and compiled on CUDA).  ``python -m tests.ops.test_rope --interpret`` is the
+interpreter run."""
 
 from __future__ import annotations
 

@@ -408,7 +408,8 @@ class Attention(nn.Module):
         swa_slots = self._swa_slots(step, pos, req, floors)
         first, last = step.request_spans  # host bounds on the blocks the lists can touch: plans without a host read
         e = self.swa_cache.rows_per_block
-        key = ("gather_swa", id(step.group(self.swa_cache.prefix)), bstep, rstep, swa_flat.shape[0], id(pos), id(floors))
+        key = ("gather_swa", id(step.group(self.swa_cache.prefix)), bstep, rstep, swa_flat.shape[0], id(pos),
+               id(floors))
         swa_plan = step.once(key, lambda: sparse_attn_gathered.gather_plan(
             swa_slots, bstep, rstep, e, swa_flat.shape[0],
             sparse_attn_gathered.swa_block_bound(first, last, self.cfg.sliding_window, e)))
@@ -723,8 +724,9 @@ class DeepseekV41Model(nn.Module):
             floors = base_floor
             if kept.numel() < T and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
-            elif kept.numel() < T and plan.is_decoder:  # one tensor for every decoder layer (per-step caches key on it)
-                floors = step.once("decoder_floors", lambda: torch.maximum(base_floor, step.seq_lens - cfg.sliding_window))
+            elif kept.numel() < T and plan.is_decoder:  # one tensor for every decoder layer (caches key on it)
+                floors = step.once("decoder_floors",
+                                   lambda: torch.maximum(base_floor, step.seq_lens - cfg.sliding_window))
             S, pre = layer(self, step, S, pre, tok, rows, floors)
             tok = step.take(tok, rows)
         return S, pre, tok
