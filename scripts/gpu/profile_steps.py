@@ -46,6 +46,52 @@ def kernel_table(prof, gpu: bool) -> list[tuple[str, int, float]]:
     return sorted(((k, int(v[0]), v[1]) for k, v in agg.items()), key=lambda r: -r[2])
 
 
+def device_gaps(prof) -> tuple[float, float, list[tuple[float, float, str, str]]]:
+    """The GPU's idle time between the kernels (and copies) the profiler saw: (span µs from the first start to the
+    last end, busy µs = the union of their intervals, gaps [(start µs from the span's start, length µs, the work
+    before, the work after)] in time order)."""
+    ivs = sorted((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                 if e.device_type.name == "CUDA" and e.device_time > 0)
+    if not ivs:
+        return 0.0, 0.0, []
+    t0, gaps, busy = ivs[0][0], [], 0.0
+    end, prev, start = ivs[0][1], ivs[0][2], ivs[0][0]
+    for s, e, name in ivs[1:]:
+        if s > end:
+            gaps.append((end - t0, s - end, prev, name))
+            busy += end - start
+            start = s
+        if e >= end:
+            end, prev = e, name
+    busy += end - start
+    return end - t0, busy, gaps
+
+
+def gap_report(title: str, prof, steps: int, out: str, top: int = 20) -> None:
+    """Where the GPU waited during ``steps`` profiled engine steps (for the host: launches, a host read, the
+    scheduler between steps): idle time per step by gap length, and the longest gaps with the work around them;
+    every gap of 10 µs or more to ``out``/<title>_gaps.tsv.  Under the profiler each launch costs the host more
+    (CUPTI's callbacks), so gaps where the host sets the pace come out longer than in an unprofiled run: read their
+    places and counts, and the timeline's unprofiled GPU time for their cost."""
+    span, busy, gaps = device_gaps(prof)
+    if not span:
+        print(f"\n== {title}: no GPU work in the profile (no idle-time report)")
+        return
+    print(f"\n== {title}: GPU busy {busy / steps / 1e3:.2f} ms and idle {(span - busy) / steps / 1e3:.2f} ms per step "
+          f"({steps} steps, {len(gaps) / steps:.0f} gaps a step)")
+    for lo, hi in ((0, 10), (10, 100), (100, 1000), (1000, float("inf"))):
+        sel = [g[1] for g in gaps if lo <= g[1] < hi]
+        print(f"  gaps {lo:>5.0f}-{hi:<5.0f} µs: {len(sel) / steps:8.1f} a step, {sum(sel) / steps / 1e3:8.2f} ms a step")
+    print(f"  the {top} longest (ms into the profile, µs, the work before the gap -> the work after it):")
+    for at, gap, before, after in sorted(gaps, key=lambda g: -g[1])[:top]:
+        print(f"  {at / 1e3:10.2f} {gap:9.1f}  {before} -> {after}")
+    with open(os.path.join(out, f"{title.replace(' ', '_')}_gaps.tsv"), "w") as f:
+        f.write("at_ms\tgap_us\twork_before\twork_after\n")
+        for at, gap, before, after in gaps:
+            if gap >= 10:
+                f.write(f"{at / 1e3:.3f}\t{gap:.1f}\t{before}\t{after}\n")
+
+
 def minus(a: list[tuple[str, int, float]], b: list[tuple[str, int, float]]) -> list[tuple[str, int, float]]:
     """Kernel table ``a`` less ``b`` (same kernel names), largest remaining total first."""
     rest = {k: (n, t) for k, n, t in b}

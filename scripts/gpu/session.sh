@@ -77,7 +77,7 @@ case "${1:-}" in
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
-    grep -vE "^(\(|INFO|WARNING|\[)" "$OUT/timeline.log" | tail -40 | cut -c1-200 ;;
+    grep -vE "^(\(|INFO|WARNING|\[|USDT)" "$OUT/timeline.log" | tail -100 | cut -c1-200 ;;
   sbs)
     impl=${2:?builtin, plugin or stress}
     # the throughput targets compare the two stacks (one call each: a call may last 10 minutes); the

@@ -15,7 +15,9 @@ ends (the pace), the host time in the runner and the GPU time per step.  Under a
 close to the host time says the host sets it; close to the GPU time, the GPU.  The rows go to
 ``$OUT/timeline.json``.  ``--profile-decode N`` adds a third run whose first N pure decode steps (every
 prompt prefilled) run under ``torch.profiler``: their kernels by name, count and time per step, without the
-prefill chunks that a difference of two runs (``profile_steps.py``) mixes in.
+prefill chunks that a difference of two runs (``profile_steps.py``) mixes in; ``--profile-prefill`` does the same for
+the steps that hold prefill tokens.  Both then report, on a GPU, where the GPU sat idle between kernels in those
+steps (``profile_steps.gap_report``: gaps by length, the longest with the work around them).
 
     PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/step_timeline.py /tmp/bench --batch 64 --prompt 1024 --out 256
 """
@@ -201,13 +203,16 @@ def _profiler(cuda: bool):
 
 
 def _report(title: str, prof, cuda: bool, steps: int, out_dir: str, top: int) -> None:
-    """``profile_steps.py``'s kernel table of ``prof``, per step, printed and written under ``out_dir``."""
+    """``profile_steps.py``'s kernel table of ``prof``, per step, printed and written under ``out_dir``; on a GPU also
+    its idle-time report (the gaps between kernels: where the GPU waited for the host)."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from profile_steps import kernel_table, report
+    from profile_steps import gap_report, kernel_table, report
 
     report(title, kernel_table(prof, cuda), steps, out_dir, top=top)
+    if cuda:
+        gap_report(title, prof, steps, out_dir)
 
 
 def profile_prefill(run, rows: list[dict], live: dict, cuda: bool, out_dir: str) -> None:
