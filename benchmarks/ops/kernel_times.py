@@ -275,6 +275,23 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
                 print(f"{name} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
 
 
+def _mhc_variants(op: str, T: int, variants: list[tuple[str, dict | None]], iters: int) -> None:
+    """One line per (name, launch config) of ``mhc_{op}`` (``pre`` or ``post_pre``) at T rows of fp32 streams."""
+    import bench_mhc as bm
+
+    from vllm_dsv41.ops import mhc
+
+    fn = mhc._mhc_pre_triton if op == "pre" else mhc._mhc_post_pre_triton
+    a = bm.op_args(op, bm.make_inputs(T, torch.float32))
+    nbytes = bm.ideal_bytes(op, T, 4)
+    for vname, cfg in variants:
+        try:
+            total, per = kernel_us(lambda: fn(*a, config=cfg), iters)
+            report(f"mhc_{op} T={T} {vname}", nbytes, total, per)
+        except Exception as exc:
+            print(f"mhc_{op} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
 def section_mhc(tokens: list[int], iters: int) -> None:
     import bench_mhc as bm
 
@@ -283,22 +300,14 @@ def section_mhc(tokens: list[int], iters: int) -> None:
 
     print("\nmhc with fp32 streams (C=4, H=5120); MB = every input read once, every output written once")
     for op in ("pre", "post_pre"):
-        fn = mhc._mhc_pre_triton if op == "pre" else mhc._mhc_post_pre_triton
         for T in tokens:
-            a = bm.op_args(op, bm.make_inputs(T, torch.float32))
-            nbytes = bm.ideal_bytes(op, T, 4)
             d = mhc._pre_config(T, bm.H, op == "post_pre", torch.device("cuda"))
             variants = [("default", None)]
             for bt, bh, nw in ((16, 16, 4), (16, 64, 4), (64, 16, 4), (64, 16, 8), (64, 32, 8)):
                 if (bt, bh, nw) != (d["block_t"], d["block_h"], d["num_warps"]) and (bt == 16 or T > 16):
                     split = max(1, min(2 * sm_count(torch.device("cuda")) // -(-T // bt), -(-bm.H // bh)))
                     variants.append((f"bt{bt} bh{bh} w{nw}", dict(block_t=bt, block_h=bh, num_warps=nw, split=split)))
-            for vname, cfg in variants:
-                try:
-                    total, per = kernel_us(lambda: fn(*a, config=cfg), iters)
-                    report(f"mhc_{op} T={T} {vname}", nbytes, total, per)
-                except Exception as exc:
-                    print(f"mhc_{op} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
+            _mhc_variants(op, T, variants, iters)
 
 
 def section_mhc_sweep(tokens: list[int], iters: int) -> None:
@@ -306,33 +315,24 @@ def section_mhc_sweep(tokens: list[int], iters: int) -> None:
     config below ``mhc.gemm_from()`` rows) against the streaming kernel + one cuBLAS fp32 GEMM (``project`` off)
     under a few tiles and H-split counts (``waves`` = the programs per SM the split count aims at).  Session 12
     swept the in-kernel projection's tiles and splits (32/64 tokens, 16/32/64 columns, 4/8 warps, 2/3 stages, 1-33
-    splits): all within a few % of its default, ~23% of the bandwidth."""
+    splits): none was more than 12% faster than its default, all at 19-27% of the bandwidth."""
     import bench_mhc as bm
 
-    from vllm_dsv41.ops import mhc
     from vllm_dsv41.ops._triton import sm_count
 
     sms = sm_count(torch.device("cuda"))
     print("\nmhc at prefill sizes with fp32 streams (C=4, H=5120); MB = every input read once, every output "
           "written once")
     for op in ("pre", "post_pre"):
-        fn = mhc._mhc_pre_triton if op == "pre" else mhc._mhc_post_pre_triton
         for T in tokens:
-            a = bm.op_args(op, bm.make_inputs(T, torch.float32))
-            nbytes = bm.ideal_bytes(op, T, 4)
-            rows = [("projection in the kernel", dict(project=True)),
-                    ("cuBLAS projection, default", dict(project=False))]
+            variants = [("projection in the kernel", dict(project=True)),
+                        ("cuBLAS projection, default", dict(project=False))]
             for bt, bh, nw, waves in ((8, 256, 4, 8), (4, 512, 4, 4), (16, 128, 4, 4), (8, 512, 8, 4), (2, 1024, 4, 4),
                                       (8, 256, 8, 2)):
                 split = max(1, min(-(-waves * sms // -(-T // bt)), -(-bm.H // bh)))
-                rows.append((f"cuBLAS projection, bt{bt} bh{bh} w{nw} (split {split})",
-                             dict(project=False, block_t=bt, block_h=bh, num_warps=nw, split=split)))
-            for vname, cfg in rows:
-                try:
-                    total, per = kernel_us(lambda: fn(*a, config=cfg), iters)
-                    report(f"mhc_{op} T={T} {vname}", nbytes, total, per)
-                except Exception as exc:
-                    print(f"mhc_{op} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
+                variants.append((f"cuBLAS projection, bt{bt} bh{bh} w{nw} (split {split})",
+                                 dict(project=False, block_t=bt, block_h=bh, num_warps=nw, split=split)))
+            _mhc_variants(op, T, variants, iters)
 
 
 def section_router(tokens: list[int], iters: int) -> None:
