@@ -121,7 +121,8 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
     model, with the CPU stand-in of FlashMLA's kernel and the path forced for every step: exact mode equals the
     reference token for token and the plain ops path's logits to fp32 rounding; default mode (decoder rows
     pruned, so the decoder layers' plans are their own, and a replayed prefix hit) equals the pruned reference.
-    Every gather plan is made without a host read: its host-side block bound holds on every step."""
+    Every gather plan is made without a host read (its host-side block bound holds on every step), and the eager
+    steps of this path read nothing back on the host but what only the CPU run reads."""
     from vllm_dsv41.ops import sparse_attn_gathered as sag
 
     calls, plans, make_plan = [], [], sag.gather_plan
@@ -131,10 +132,12 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
         return sag.sparse_fwd_ref(*a, **kw)
 
     def plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks=None):
-        plans.append((torch.unique(slots[slots >= 0] // bstep).numel(), max_blocks))
+        plans.append((count_touched(slots, bstep), max_blocks))
         return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
 
     monkeypatch.setattr(sag, "gather_plan", plan)
+    probe = _prefill_host_reads(monkeypatch)
+    probe.active = False  # on for the default-mode run below (pruned decoder rows, a replayed prefix hit)
 
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
     monkeypatch.setattr(sag, "applies", lambda q, rows: True)
@@ -155,6 +158,7 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
     follow = base[:150] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
     with engine(tiny_ckpt, exact=False, max_num_batched_tokens=4096, enable_prefix_caching=True) as llm:
         first = _generate(llm, prompts)
+        probe.active = True
         second = _generate(llm, [follow])[0]
     for p, o in zip(prompts, first):
         assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS, prune=True)[0]
@@ -164,6 +168,8 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
     assert list(second.outputs[0].token_ids) == ref
     assert plans and all(bound is not None and touched <= bound for touched, bound in plans), plans
     print(f"{len(plans)} gather plans, blocks touched / bound: {sum(t for t, _ in plans)} / {sum(b for _, b in plans)}")
+    assert probe.steps > 0 and not probe.hits, sorted(probe.hits)  # eager steps of the CUDA path: no host read
+
 
 
 def test_gathered_path_failure_falls_back_to_sparse_attn(tiny_ckpt, tiny_model, prompts, monkeypatch, caplog):
@@ -275,10 +281,17 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         bool_index = name in ("index", "index_put", "index_put_") and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
         if name in self.SYNCING or bool_index:
-            where = [f"{f.filename.rsplit('vllm_dsv41/', 1)[-1]}:{f.lineno}" for f in traceback.extract_stack()
-                     if "vllm_dsv41" in f.filename]
-            self.hits.add(f"{name}{' (bool index)' if bool_index else ''} at {' <- '.join(reversed(where[-3:]))}")
+            # innermost frame first; no source lines read (the CPU references issue many host reads)
+            stack = traceback.StackSummary.extract(traceback.walk_stack(None), lookup_lines=False)
+            if self.counts(stack):
+                where = [f"{f.filename.rsplit('vllm_dsv41/', 1)[-1]}:{f.lineno}" for f in stack
+                         if "vllm_dsv41" in f.filename]
+                self.hits.add(f"{name}{' (bool index)' if bool_index else ''} at {' <- '.join(where[:3])}")
         return func(*args, **(kwargs or {}))
+
+    def counts(self, stack) -> bool:
+        """Whether a host read issued from ``stack`` is recorded (all of them here)."""
+        return True
 
 
 def probe_static_steps(monkeypatch) -> _HostReads:
@@ -301,6 +314,43 @@ def probe_static_steps(monkeypatch) -> _HostReads:
             self.run_model = model
 
     monkeypatch.setattr(graphs.DecodeGraphs, "run", run_probed)
+    return probe
+
+
+def count_touched(slots: torch.Tensor, bstep: int) -> int:
+    """Blocks of a flat cache view that a slot list touches (a host read: the test's own count)."""
+    return torch.unique(slots[slots >= 0] // bstep).numel()
+
+
+class _CudaPathHostReads(_HostReads):
+    """:class:`_HostReads` less the host reads that only the CPU run makes: inside the ops' CPU references (the
+    ``*_ref`` functions, which CUDA replaces with Triton), the CPU expert loop (CUDA: ``matmul_ogs`` or Marlin), the
+    stand-in of FlashMLA's kernel, host tensors read on the host (``Step.needs_pruning``) and the tests' own counts."""
+
+    CPU_ONLY = {"loop_moe", "sparse_fwd_ref", "needs_pruning", "count_touched"}
+
+    def counts(self, stack) -> bool:
+        return not any(f.name.endswith("_ref") or f.name in self.CPU_ONLY for f in stack)
+
+
+def _prefill_host_reads(monkeypatch) -> _CudaPathHostReads:
+    """Run every eager step's model forward (prefill and mixed steps) under a :class:`_CudaPathHostReads`
+    (returned; ``steps`` counts the probed steps, ``active`` False pauses it: the probe makes CPU steps slow)."""
+    from vllm_dsv41.model_executor import model as model_module
+
+    probe, final_hidden = _CudaPathHostReads(), model_module.DeepseekV41ForCausalLM._final_hidden
+    probe.steps, probe.active = 0, True
+
+    def probed(self, step, e):
+        from vllm_dsv41.model_executor.graphs import in_static_step
+
+        if in_static_step() or not probe.active:
+            return final_hidden(self, step, e)
+        probe.steps += 1
+        with probe:
+            return final_hidden(self, step, e)
+
+    monkeypatch.setattr(model_module.DeepseekV41ForCausalLM, "_final_hidden", probed)
     return probe
 
 
