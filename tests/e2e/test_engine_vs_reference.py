@@ -136,6 +136,7 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
         return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
 
     monkeypatch.setattr(sag, "gather_plan", plan)
+    monkeypatch.delenv(sag.READBACK_ENV, raising=False)
     probe = _prefill_host_reads(monkeypatch)
     probe.active = False  # on for the default-mode run below (pruned decoder rows, a replayed prefix hit)
 

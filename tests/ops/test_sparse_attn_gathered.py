@@ -101,6 +101,13 @@ def test_block_bounds_cover_every_list():
     assert sag.entry_block_bound(torch.tensor([-1]), 2, 4) == 0
 
 
+def test_plan_readback_switch(monkeypatch):
+    monkeypatch.delenv(sag.READBACK_ENV, raising=False)
+    assert not sag.read_back()  # default: bounded plans, no host read
+    monkeypatch.setenv(sag.READBACK_ENV, "1")
+    assert sag.read_back()
+
+
 def test_combined_indices_shift_and_pad():
     swa = sag.GatherPlan(torch.zeros(1, dtype=torch.int64), torch.tensor([[0, 1, -1]], dtype=torch.int32), 4)
     comp = sag.GatherPlan(torch.zeros(1, dtype=torch.int64), torch.tensor([[2, -1]], dtype=torch.int32), 4)

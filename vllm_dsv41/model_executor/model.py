@@ -401,18 +401,20 @@ class Attention(nn.Module):
                          floors: torch.Tensor, src, comp_slots: torch.Tensor | None) -> torch.Tensor:
         """Prefill rows through FlashMLA's sparse prefill kernel on gathered bf16 keys (``ops.sparse_attn_gathered``;
         the default where it applies, ``VLLM_DSV41_PREFILL_ATTN=sparse_attn`` switches it off).  The gather plans
-        are made once per slot list and step: the SWA one is shared by the layers of a group when the rows are the
-        step's own, the compressed one by the consumers of a selection."""
+        are made once per slot list and step: the SWA one is shared by the layers of a group over the same rows (the
+        step's own, or the decoder's pruned ones), the compressed one by the consumers of a selection; their sizes come
+        from host-side bounds (no host read), or with ``VLLM_DSV41_PLAN_READBACK=1`` from ``nonzero``."""
         plan = self.plan
         swa_flat, bstep, rstep = self.swa_cache.flat_rows()
         swa_slots = self._swa_slots(step, pos, req, floors)
         first, last = step.request_spans  # host bounds on the blocks the lists can touch: plans without a host read
+        bounded = not sparse_attn_gathered.read_back()
         e = self.swa_cache.rows_per_block
         key = ("gather_swa", id(step.group(self.swa_cache.prefix)), bstep, rstep, swa_flat.shape[0], id(pos),
                id(floors))
         swa_plan = step.once(key, lambda: sparse_attn_gathered.gather_plan(
             swa_slots, bstep, rstep, e, swa_flat.shape[0],
-            sparse_attn_gathered.swa_block_bound(first, last, self.cfg.sliding_window, e)))
+            sparse_attn_gathered.swa_block_bound(first, last, self.cfg.sliding_window, e) if bounded else None))
         comp_flat = comp_plan = comp_steps = None
         if src is not None:
             comp_flat, cb, cr = src.comp_cache.flat_rows()
@@ -421,7 +423,8 @@ class Attention(nn.Module):
             comp_plan = step.once(("gather_comp", plan.index_source, plan.kv_source),
                                   lambda: sparse_attn_gathered.gather_plan(
                                       comp_slots, cb, cr, ec, comp_flat.shape[0],
-                                      sparse_attn_gathered.entry_block_bound(last, src.plan.compress_ratio, ec)))
+                                      sparse_attn_gathered.entry_block_bound(last, src.plan.compress_ratio, ec)
+                                      if bounded else None))
         return sparse_attn_gathered.sparse_attn_gathered(
             q, swa_flat, swa_plan, (bstep, rstep), comp_flat, comp_plan, comp_steps, self.attn_sink,
             self.cfg.head_dim ** -0.5, pos, self.inv_freq)

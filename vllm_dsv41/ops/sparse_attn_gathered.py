@@ -43,6 +43,9 @@ ENV = "VLLM_DSV41_PREFILL_ATTN"
 """``auto`` (default) or ``flashmla``: prefill rows go through this path where it applies (:func:`applies`);
 ``sparse_attn``: every row through ``dsv41::sparse_attn``."""
 MODES = ("auto", "flashmla", "sparse_attn")
+READBACK_ENV = "VLLM_DSV41_PLAN_READBACK"
+"""``1``: gather plans read their block list back with ``nonzero`` (a host read per plan, session 11's behaviour,
+for comparison) instead of sizing it by the host-side bound."""
 MIN_ROWS = 256
 """Steps with fewer attention rows (decode) keep ``sparse_attn``."""
 INDEX_ALIGN = 128
@@ -140,6 +143,11 @@ def flashmla_sparse_fwd():
     except Exception:  # noqa: BLE001 - any import failure means "not here"
         return None
     return flash_mla_sparse_fwd
+
+
+def read_back() -> bool:
+    """``VLLM_DSV41_PLAN_READBACK=1``: plans through ``nonzero`` (see :data:`READBACK_ENV`)."""
+    return os.environ.get(READBACK_ENV, "0").strip() == "1"
 
 
 def mode() -> str:
