@@ -422,7 +422,7 @@ def _stream_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dic
     16-row minimum and no shared-memory layout changes), and enough H splits for about four programs per SM.
     Tiles from CUPTI kernel times on an H200 at 1k-16k rows with fp32 streams (docs/benchmarks.md, session 12,
     ``kernel_times.py --only mhc_sweep``): 2 tokens x 1,024 columns for ``mhc_pre``, 16 x 128 with the post-mix
-    (its C source tiles per stream); the other tiles tried were within 3-10%."""
+    (its C source tiles per stream); the five other tiles tried took up to 27% longer."""
     block_t, block_h = (16, 128) if fuse_post else (2, 1024)
     split = max(1, min(_cdiv(4 * sm_count(device), _cdiv(T, block_t)), _cdiv(H, block_h)))
     return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4, num_stages=2)
