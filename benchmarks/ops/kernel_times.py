@@ -12,9 +12,10 @@ top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16, bf16 cu
 at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``triton_kernels``' ``matmul_ogs``
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
-``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the
-model's dtype) and ``mhc_sweep`` (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice for all but ``dense``, ``moe_ogs`` and ``moe_bf16``.  Not collected by
-pytest.
+``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
+384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
+(the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
+for all but ``dense``, ``moe_ogs`` and ``moe_bf16``.  Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -160,7 +161,8 @@ def routed_batch(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
 
 def section_moe_ogs(tokens: list[int], iters: int) -> None:
     """``VLLM_DSV41_MOE=ogs`` (``matmul_ogs``) against the Marlin MXFP4 MoE (up to 4,096 tokens) and the prefill path
-    ``bf16_moe`` (from 1,024) on the same random MXFP4 experts, then ogs and Marlin against the fp32 expert loop over the dequantised weights at T=64 (relative error)."""
+    ``bf16_moe`` (from 1,024) on the same random MXFP4 experts, then ogs and Marlin against the fp32 expert loop over
+    the dequantised weights at T=64 (relative error)."""
     import bench_gemm as bg
 
     from vllm_dsv41.model_executor import linear
@@ -175,8 +177,8 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
     if max(tokens) >= 1024:  # the prefill path it would replace
         paths.append(("bf16_moe", linear.bf16_moe, linear.mxfp4_expert_stack(experts)))
     per_expert = 3 * bg.H * bg.I // 2 + 3 * bg.H * bg.I // 32
-    print(f"\nmatmul_ogs MoE vs Marlin MoE (and bf16_moe from 1,024 tokens): E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}; MB = the MXFP4 weights and "
-          "scales of the experts hit, read once")
+    print(f"\nmatmul_ogs MoE vs Marlin MoE (and bf16_moe from 1,024 tokens): E={bg.E} top-{bg.TOPK} H={bg.H} "
+          f"I={bg.I}; MB = the MXFP4 weights and scales of the experts hit, read once")
     g = torch.Generator(device="cuda").manual_seed(0)
     for T in tokens:
         x, idx, wts = routed_batch(T, g)

@@ -81,7 +81,8 @@ def gap_report(title: str, prof, steps: int, out: str, top: int = 20) -> None:
           f"({steps} steps, {len(gaps) / steps:.0f} gaps a step)")
     for lo, hi in ((0, 10), (10, 100), (100, 1000), (1000, float("inf"))):
         sel = [g[1] for g in gaps if lo <= g[1] < hi]
-        print(f"  gaps {lo:>5.0f}-{hi:<5.0f} µs: {len(sel) / steps:8.1f} a step, {sum(sel) / steps / 1e3:8.2f} ms a step")
+        print(f"  gaps {lo:>5.0f}-{hi:<5.0f} µs: {len(sel) / steps:8.1f} a step, "
+              f"{sum(sel) / steps / 1e3:8.2f} ms a step")
     print(f"  the {top} longest (ms into the profile, µs, the work before the gap -> the work after it):")
     for at, gap, before, after in sorted(gaps, key=lambda g: -g[1])[:top]:
         print(f"  {at / 1e3:10.2f} {gap:9.1f}  {before} -> {after}")

@@ -410,11 +410,12 @@ class Attention(nn.Module):
         first, last = step.request_spans  # host bounds on the blocks the lists can touch: plans without a host read
         bounded = not sparse_attn_gathered.read_back()
         e = self.swa_cache.rows_per_block
-        key = ("gather_swa", id(step.group(self.swa_cache.prefix)), bstep, rstep, swa_flat.shape[0], id(pos),
-               id(floors))
-        swa_plan = step.once(key, lambda: sparse_attn_gathered.gather_plan(
-            swa_slots, bstep, rstep, e, swa_flat.shape[0],
-            sparse_attn_gathered.swa_block_bound(first, last, self.cfg.sliding_window, e) if bounded else None))
+        def swa_plan_of():
+            bound = sparse_attn_gathered.swa_block_bound(first, last, self.cfg.sliding_window, e) if bounded else None
+            return sparse_attn_gathered.gather_plan(swa_slots, bstep, rstep, e, swa_flat.shape[0], bound)
+
+        # one plan per slot list (step-held: _swa_slots shares it by group, geometry and row set) and cache size
+        swa_plan = step.once(("gather_swa", id(swa_slots), swa_flat.shape[0]), swa_plan_of)
         comp_flat = comp_plan = comp_steps = None
         if src is not None:
             comp_flat, cb, cr = src.comp_cache.flat_rows()
