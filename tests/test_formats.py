@@ -519,3 +519,32 @@ def test_cuda_matches_cpu():
     pg, mg = F.quant_mxfp4(x.cuda())
     assert _bytes(pg.cpu()) == _bytes(pc) and _bytes(mg.cpu()) == _bytes(mc)
     assert _same_values(F.dequant_mxfp4(pg, mg).cpu(), F.dequant_mxfp4(pc, mc))
+
+
+def test_e2m1_decode_copies_its_table_to_a_device_once():
+    """Decoding on a device must not copy the code table from host memory on every call: on a GPU such a copy
+    (pageable memory) waits for the whole stream, i.e. a sync per decode.  The meta device stands in for it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class HostCopies(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            src = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            dst = kwargs.get("device")
+            if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and src is not None:
+                if func is torch.ops.aten.copy_.default:
+                    src, dst = args[1], args[0].device
+                if src.device.type == "cpu" and dst is not None and torch.device(dst).type != "cpu":
+                    HostCopies.n += 1
+            return func(*args, **kwargs)
+
+    codes = torch.arange(16, dtype=torch.uint8, device="meta")
+    F.e2m1_decode(codes)  # the first call may copy the table
+    with HostCopies():
+        for _ in range(3):
+            out = F.e2m1_decode(codes)
+    assert HostCopies.n == 0, f"{HostCopies.n} host-to-device copies in 3 decodes"
+    assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (16,)
+    assert torch.equal(F.e2m1_decode(torch.arange(16, dtype=torch.uint8)), F.E2M1_VALUES)

@@ -205,10 +205,23 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return mag | (neg.to(torch.uint8) << 3)
 
 
+_E2M1_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """:data:`E2M1_VALUES` on ``device``, copied there once.  A copy per call would come from pageable host
+    memory, and such a copy makes the host wait until the device has run everything queued before it (on a GPU:
+    one stream sync per decode, which kept the host from running ahead of prefill steps)."""
+    t = _E2M1_ON.get(device)
+    if t is None:
+        t = _E2M1_ON[device] = E2M1_VALUES.to(device)
+    return t
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """uint8 E2M1 codes (only the low 4 bits are read) -> float32 values."""
     idx = (as_uint8(codes) & 0x0F).long()
-    return E2M1_VALUES.to(idx.device)[idx]
+    return _e2m1_table(idx.device)[idx]
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
