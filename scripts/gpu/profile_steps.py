@@ -67,6 +67,21 @@ def device_gaps(prof) -> tuple[float, float, list[tuple[float, float, str, str]]
     return end - t0, busy, gaps
 
 
+def host_waits(prof) -> dict[str, int]:
+    """What in the profile made the host wait for the GPU: copies from or to pageable host memory (CUDA syncs the
+    stream around them) and the runtime's synchronize calls; name -> count."""
+    waits: dict[str, int] = {}
+    for e in prof.events():
+        if e.device_type.name == "CUDA" and "Pageable" in e.name:
+            key = e.name
+        elif e.device_type.name == "CPU" and "Synchronize" in e.name:
+            key = e.name
+        else:
+            continue
+        waits[key] = waits.get(key, 0) + 1
+    return waits
+
+
 def gap_report(title: str, prof, steps: int, out: str, top: int = 20) -> None:
     """Where the GPU waited during ``steps`` profiled engine steps (for the host: launches, a host read, the
     scheduler between steps): idle time per step by gap length, and the longest gaps with the work around them;
@@ -83,6 +98,8 @@ def gap_report(title: str, prof, steps: int, out: str, top: int = 20) -> None:
         sel = [g[1] for g in gaps if lo <= g[1] < hi]
         print(f"  gaps {lo:>5.0f}-{hi:<5.0f} µs: {len(sel) / steps:8.1f} a step, "
               f"{sum(sel) / steps / 1e3:8.2f} ms a step")
+    waits = host_waits(prof)
+    print("  host waits a step: " + (", ".join(f"{k} {n / steps:.1f}" for k, n in sorted(waits.items())) or "none"))
     print(f"  the {top} longest (ms into the profile, µs, the work before the gap -> the work after it):")
     for at, gap, before, after in sorted(gaps, key=lambda g: -g[1])[:top]:
         print(f"  {at / 1e3:10.2f} {gap:9.1f}  {before} -> {after}")
