@@ -11,17 +11,19 @@ kernels named and the bytes an ideal kernel moves.  Sections: ``moe`` (``dsv41::
 top-6, H 5120, I 2304, launch-config variants), ``dense`` (Marlin W8A16, bf16 cuBLAS and our ``dsv41::fp8_gemm``
 at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``triton_kernels``' ``matmul_ogs``
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
+``ogs_flags`` (that MoE under triton_kernels' opt-flag constraints at ``--tokens`` and ``--prefill``),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
-for all but ``dense``, ``moe_ogs`` and ``moe_bf16``.  Not collected by pytest.
+for all but ``dense``, ``moe_ogs``, ``ogs_flags`` and ``moe_bf16``.  Not collected by pytest.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import sys
 from collections import defaultdict
@@ -198,6 +200,41 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
                 print(f"moe T={T} {name}: {type(exc).__name__}: {str(exc)[:160]}")
         if errs:
             print(f"moe T={T} relative error vs the fp32 dequantised experts: {', '.join(errs)}")
+
+
+#: ``matmul_ogs`` opt-flag constraints tried by ``--only ogs_flags`` (triton_kernels' names; {} = its own choice):
+#: all of them at decode sizes, the first few at prefill sizes (each is a new kernel to compile)
+OGS_FLAG_SWEEP = ({}, {"is_persistent": True}, {"num_stages": 3}, {"block_k": 256}, {"num_stages": 5}, {"split_k": 2},
+                  {"block_m": 32}, {"epilogue_subtile": 1})
+OGS_FLAG_SWEEP_PREFILL = 3
+
+
+def section_ogs_flags(tokens: list[int], iters: int) -> None:
+    """The ``matmul_ogs`` MoE (:func:`linear.ogs_moe`) under :data:`OGS_FLAG_SWEEP`'s constraints (what
+    ``VLLM_DSV41_OGS_DECODE_FLAGS`` sets in the model); a constraint the kernel cannot take is reported, not
+    fatal.  ``d`` is the relative difference from triton_kernels' own choice."""
+    import bench_gemm as bg
+
+    from vllm_dsv41.model_executor import linear
+
+    experts = bg.random_experts()
+    stack = linear.ogs_expert_stack(experts)
+    per_expert = 3 * bg.H * bg.I // 2 + 3 * bg.H * bg.I // 32
+    print(f"\nmatmul_ogs MoE under opt-flag constraints: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in tokens:
+        x, idx, wts = routed_batch(T, g)
+        nbytes = idx.unique().numel() * per_expert
+        want = linear.ogs_moe(x, stack, idx, wts, 10.0).float()
+        for flags in OGS_FLAG_SWEEP[:None if T <= linear.OGS_DECODE_MAX_TOKENS else OGS_FLAG_SWEEP_PREFILL]:
+            try:
+                with linear._ogs_constraints(flags):
+                    got = linear.ogs_moe(x, stack, idx, wts, 10.0).float()
+                    total, per = kernel_us(lambda: linear.ogs_moe(x, stack, idx, wts, 10.0), iters)
+                diff = ((got - want).norm() / want.norm()).item()
+                report(f"ogs T={T} {json.dumps(flags)} d={diff:.1e}", nbytes, total, per)
+            except Exception as exc:
+                print(f"ogs T={T} {flags}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
 
 
 #: bf16 fused-MoE tiles to sweep: (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, GROUP_SIZE_M, num_warps, num_stages);
@@ -381,6 +418,8 @@ def main() -> int:
             section_moe_bf16(a.prefill, a.iters)
         elif name == "moe_ogs":
             section_moe_ogs(sorted(set(a.tokens) | {512, 4096}), a.iters)
+        elif name == "ogs_flags":
+            section_ogs_flags(a.tokens + a.prefill, a.iters)
         elif name == "mhc":
             section_mhc(a.tokens + a.prefill, a.iters)
         elif name == "mhc_sweep":
