@@ -8,7 +8,7 @@
 #   scripts/gpu/session.sh kernels         # CUPTI kernel time per call: MoE, dense GEMMs, sparse_attn, mHC
 #   scripts/gpu/session.sh attn            # FlashMLA probes (decode on our records, sparse prefill on bf16 keys), then kernel times
 #   scripts/gpu/session.sh ogs_prefill     # matmul_ogs vs bf16_moe (and Marlin to 4k) at prefill sizes: 2k, 8k, 16k tokens
-#   scripts/gpu/session.sh ogs_flags       # the matmul_ogs MoE under triton_kernels opt-flag constraints, 64 and 16k tokens
+#   scripts/gpu/session.sh ogs_flags       # the matmul_ogs MoE under triton_kernels opt-flag constraints, 64 tokens (decode)
 #   scripts/gpu/session.sh moe_bf16        # the prefill MoE (bf16_moe) under a sweep of fused-MoE tiles, 4k and 16k tokens
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
@@ -72,7 +72,7 @@ case "${1:-}" in
       > "$OUT/ogs-prefill.log" 2>&1
     grep -vE "^(USDT|  )|Warning" "$OUT/ogs-prefill.log" | cut -c1-200 | tail -40 ;;
   ogs_flags)
-    (cd benchmarks/ops && timeout 400 python3 kernel_times.py --only ogs_flags --tokens 64 --prefill 16384 --iters 5) \
+    (cd benchmarks/ops && timeout 400 python3 kernel_times.py --only ogs_flags --tokens 64 --prefill --iters 10) \
       > "$OUT/ogs-flags.log" 2>&1
     grep -vE "^(USDT|  )|Warning" "$OUT/ogs-flags.log" | cut -c1-220 | tail -30 ;;
   moe_bf16)
