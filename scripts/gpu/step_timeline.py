@@ -16,7 +16,8 @@ close to the host time says the host sets it; close to the GPU time, the GPU.  T
 ``$OUT/timeline.json``.  ``--profile-decode N`` adds a third run whose first N pure decode steps (every
 prompt prefilled) run under ``torch.profiler``: their kernels by name, count and time per step, without the
 prefill chunks that a difference of two runs (``profile_steps.py``) mixes in; ``--profile-prefill`` does the same for
-the steps that hold prefill tokens.  Both then report, on a GPU, where the GPU sat idle between kernels in those
+the steps that hold prefill tokens, and ``--cprofile-prefill`` puts the runner's host work in those steps under
+``cProfile`` (where the host's time goes when it, not the GPU, sets a prefill step's pace).  Both then report, on a GPU, where the GPU sat idle between kernels in those
 steps (``profile_steps.gap_report``: gaps by length, the longest with the work around them).
 
     PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/step_timeline.py /tmp/bench --batch 64 --prompt 1024 --out 256
@@ -73,6 +74,8 @@ def main() -> int:
                     help="profile the first N pure decode steps of a third run")
     ap.add_argument("--profile-prefill", action="store_true",
                     help="profile the steps that hold prefill tokens (until the first pure decode step) of a run")
+    ap.add_argument("--cprofile-prefill", action="store_true",
+                    help="cProfile the model runner's host work in the steps that hold prefill tokens of a run")
     args = ap.parse_args()
     out_dir = os.environ.get("OUT", "/tmp")
 
@@ -133,8 +136,13 @@ def main() -> int:
             if cuda:
                 ev0, ev1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 ev0.record()
+            cprof = live.get("cprofile") if row["phase"] == "prefill" else None
             t = time.perf_counter()
+            if cprof is not None:
+                cprof.enable()
             res = fn(*a, **kw)
+            if cprof is not None:
+                cprof.disable()
             row["host_ms"] += (time.perf_counter() - t) * 1e3
             if cuda:
                 ev1.record()
@@ -192,6 +200,8 @@ def main() -> int:
         profile_prefill(run, rows, live, cuda, out_dir)
     if args.profile_decode:
         profile_decode(run, rows, live, args.profile_decode, cuda, out_dir)
+    if args.cprofile_prefill:
+        cprofile_prefill(run, rows, live, out_dir)
     os._exit(0)
 
 
@@ -243,6 +253,36 @@ def profile_prefill(run, rows: list[dict], live: dict, cuda: bool, out_dir: str)
         print("\nprefill profile: the run had no pure decode step; nothing reported")
         return
     _report("prefill steps", prof, cuda, state["steps"], out_dir, top=40)
+
+
+def cprofile_prefill(run, rows: list[dict], live: dict, out_dir: str, top: int = 40) -> None:
+    """One more run of the workload with the model runner's calls in steps that hold prefill tokens under
+    ``cProfile`` (the host side: Python, launches, waits): the functions with the most own time and the most
+    cumulative time, per step; the stats go to ``out_dir``/prefill_host.pstats."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    first = len(rows)
+    live["cprofile"] = prof
+    live["on"] = True
+    run()
+    live["on"] = False
+    live.pop("cprofile")
+    steps = sum(1 for r in rows[first:] if r["phase"] == "prefill")
+    host = sum(r["host_ms"] for r in rows[first:] if r["phase"] == "prefill")
+    prof.dump_stats(os.path.join(out_dir, "prefill_host.pstats"))
+    print(f"\n== prefill steps, host side under cProfile: {steps} steps, {host / max(steps, 1):.1f} ms a step in the "
+          f"runner (cProfile slows Python down: read the shares)")
+    for key in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(key).print_stats(top)
+        lines = [ln for ln in buf.getvalue().splitlines() if ln.strip()]
+        start = next((i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls")), 0)
+        print(f"-- by {key}:")
+        for ln in lines[start:start + top + 1]:
+            print("  " + ln[:200])
 
 
 def profile_decode(run, rows: list[dict], live: dict, n_steps: int, cuda: bool, out_dir: str) -> None:
