@@ -155,18 +155,6 @@ def test_dense_gemm_backend_env(monkeypatch):
         dense_gemm_backend()
 
 
-def test_ogs_decode_flags_env(monkeypatch):
-    monkeypatch.delenv(linear.OGS_DECODE_FLAGS_ENV, raising=False)
-    assert linear.ogs_decode_flags() == {}
-    monkeypatch.setenv(linear.OGS_DECODE_FLAGS_ENV, '{"num_stages": 3, "is_persistent": true}')
-    assert linear.ogs_decode_flags() == {"num_stages": 3, "is_persistent": True}
-    for bad, msg in (('{"num_stage": 3}', "unknown flag 'num_stage'"), ('{"block_k": "256"}', "must be an integer"),
-                     ("[1]", "expected a JSON object"), ("block_k=256", "not JSON")):
-        monkeypatch.setenv(linear.OGS_DECODE_FLAGS_ENV, bad)
-        with pytest.raises(ValueError, match=msg):
-            linear.ogs_decode_flags()
-
-
 def test_moe_bf16_from_env(monkeypatch):
     monkeypatch.delenv(linear.MOE_BF16_FROM_ENV, raising=False)
     assert linear.moe_bf16_from() == linear.moe_bf16_from("marlin") == 2048

@@ -22,6 +22,7 @@ for all but ``dense``, ``moe_ogs``, ``ogs_flags`` and ``moe_bf16``.  Not collect
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -209,10 +210,23 @@ OGS_FLAG_SWEEP = ({}, {"is_persistent": True}, {"num_stages": 3}, {"block_k": 25
 OGS_FLAG_SWEEP_PREFILL = 3
 
 
+@contextlib.contextmanager
+def _ogs_constraints(flags: dict):
+    """triton_kernels' global opt-flag constraints set to ``flags`` for the calls inside."""
+    from triton_kernels.matmul_ogs_details import opt_flags
+
+    opt_flags.reset_opt_flags_constraints()
+    opt_flags.update_opt_flags_constraints(flags)
+    try:
+        yield
+    finally:
+        opt_flags.reset_opt_flags_constraints()
+
+
 def section_ogs_flags(tokens: list[int], iters: int) -> None:
-    """The ``matmul_ogs`` MoE (:func:`linear.ogs_moe`) under :data:`OGS_FLAG_SWEEP`'s constraints (what
-    ``VLLM_DSV41_OGS_DECODE_FLAGS`` sets in the model); a constraint the kernel cannot take is reported, not
-    fatal.  ``d`` is the relative difference from triton_kernels' own choice."""
+    """The ``matmul_ogs`` MoE (:func:`linear.ogs_moe`) under :data:`OGS_FLAG_SWEEP`'s constraints (set around the
+    calls with triton_kernels' ``update_opt_flags_constraints``); a constraint the kernel cannot take is reported,
+    not fatal.  ``d`` is the relative difference from triton_kernels' own choice."""
     import bench_gemm as bg
 
     from vllm_dsv41.model_executor import linear
@@ -226,9 +240,9 @@ def section_ogs_flags(tokens: list[int], iters: int) -> None:
         x, idx, wts = routed_batch(T, g)
         nbytes = idx.unique().numel() * per_expert
         want = linear.ogs_moe(x, stack, idx, wts, 10.0).float()
-        for flags in OGS_FLAG_SWEEP[:None if T <= linear.OGS_DECODE_MAX_TOKENS else OGS_FLAG_SWEEP_PREFILL]:
+        for flags in OGS_FLAG_SWEEP[:None if T <= 256 else OGS_FLAG_SWEEP_PREFILL]:
             try:
-                with linear._ogs_constraints(flags):
+                with _ogs_constraints(flags):
                     got = linear.ogs_moe(x, stack, idx, wts, 10.0).float()
                     total, per = kernel_us(lambda: linear.ogs_moe(x, stack, idx, wts, 10.0), iters)
                 diff = ((got - want).norm() / want.norm()).item()

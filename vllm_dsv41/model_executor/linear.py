@@ -464,50 +464,6 @@ def ogs_expert_stack(experts: nn.ModuleList) -> tuple:
             PrecisionConfig(**mx_scale_kwargs(s2), flex_ctx=FlexCtx(rhs_data=flex2)))
 
 
-OGS_DECODE_FLAGS_ENV = "VLLM_DSV41_OGS_DECODE_FLAGS"
-OGS_DECODE_MAX_TOKENS = 256
-OGS_FLAG_NAMES = ("block_m", "block_k", "split_k", "is_persistent", "fused_scatter", "epilogue_subtile",
-                  "num_stages", "idle_sms")
-
-
-def ogs_decode_flags() -> dict:
-    """``VLLM_DSV41_OGS_DECODE_FLAGS``: a JSON object of triton_kernels opt-flag constraints (its names:
-    :data:`OGS_FLAG_NAMES`) that :func:`ogs_moe` sets around its calls of up to :data:`OGS_DECODE_MAX_TOKENS`
-    tokens (decode steps); unset or ``{}``: triton_kernels chooses.  A misspelt name or a non-integer value
-    fails here, i.e. at engine start (``MoE.finalize`` reads it)."""
-    import json
-
-    v = os.environ.get(OGS_DECODE_FLAGS_ENV, "").strip()
-    try:
-        flags = json.loads(v) if v else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{OGS_DECODE_FLAGS_ENV}={v!r}: not JSON ({exc})") from None
-    if not isinstance(flags, dict):
-        raise ValueError(f"{OGS_DECODE_FLAGS_ENV}={v!r}: expected a JSON object")
-    for k, val in flags.items():
-        if k not in OGS_FLAG_NAMES:
-            raise ValueError(f"{OGS_DECODE_FLAGS_ENV}: unknown flag {k!r} (expected one of {', '.join(OGS_FLAG_NAMES)})")
-        if not isinstance(val, (int, bool)):
-            raise ValueError(f"{OGS_DECODE_FLAGS_ENV}: flag {k!r} must be an integer or a boolean, got {val!r}")
-    return flags
-
-
-@contextlib.contextmanager
-def _ogs_constraints(flags: dict):
-    """triton_kernels' global opt-flag constraints set to ``flags`` for the calls inside (none when empty)."""
-    if not flags:
-        yield
-        return
-    from triton_kernels.matmul_ogs_details import opt_flags
-
-    opt_flags.reset_opt_flags_constraints()
-    opt_flags.update_opt_flags_constraints(flags)
-    try:
-        yield
-    finally:
-        opt_flags.reset_opt_flags_constraints()
-
-
 def ogs_moe(x: torch.Tensor, stack: tuple, idx: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
     """Routed experts through ``matmul_ogs`` (:func:`ogs_expert_stack`): x [T, H], idx [T, k], wts [T, k] -> [T, H]
     in x's dtype.  vLLM's ``make_routing_data`` sorts the T*k rows by expert on the device (no host sync: the
@@ -523,14 +479,12 @@ def ogs_moe(x: torch.Tensor, stack: tuple, idx: torch.Tensor, wts: torch.Tensor,
     T, k = idx.shape
     # importing vLLM's module above also patched triton_kernels' routing for a top-k that is not a power of 2 (6)
     routing, gather, scatter = make_routing_data(idx, wts, w13.shape[0])
-    with _ogs_constraints(ogs_decode_flags() if T <= OGS_DECODE_MAX_TOKENS else {}):
-        h = matmul_ogs(x.to(FAST_GEMM_DTYPE).contiguous(), w13, None, routing, gather_indx=gather,
-                       precision_config=pc13)  # [T*k, 2I], rows grouped by expert
-        act = h.new_empty(h.shape[0], h.shape[1] // 2)
-        silu_and_mul_with_clamp(act, h, limit)
-        routing.n_expts_act = 1  # each row lands in its own (token, slot) row; moe_sum reduces them
-        y = matmul_ogs(act, w2, None, routing, scatter_indx=scatter, precision_config=pc2,
-                       gammas=routing.gate_scal)
+    h = matmul_ogs(x.to(FAST_GEMM_DTYPE).contiguous(), w13, None, routing, gather_indx=gather,
+                   precision_config=pc13)  # [T*k, 2I], rows grouped by expert
+    act = h.new_empty(h.shape[0], h.shape[1] // 2)
+    silu_and_mul_with_clamp(act, h, limit)
+    routing.n_expts_act = 1  # each row lands in its own (token, slot) row; moe_sum reduces them
+    y = matmul_ogs(act, w2, None, routing, scatter_indx=scatter, precision_config=pc2, gammas=routing.gate_scal)
     out = y.new_empty(T, y.shape[-1])
     vops.moe_sum(y.view(T, k, -1), out)
     return out.to(x.dtype)

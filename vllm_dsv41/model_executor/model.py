@@ -41,8 +41,7 @@ from vllm_dsv41.attention.backend import current_step, host_to_device
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fuse_rows_on_cuda,
                                               fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
-                                              ogs_decode_flags, ogs_expert_stack, ogs_moe, on_fast_device,
-                                              resolve_moe_backend)
+                                              ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.ops import mhc as mhc_op
@@ -532,7 +531,6 @@ class MoE(nn.Module):
             self.bf16_from = moe_bf16_from(backend)
             log_moe_choice(backend, self.bf16_from)
             if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
-                ogs_decode_flags()  # a misspelt VLLM_DSV41_OGS_DECODE_FLAGS fails the start too
                 self.ogs = ogs_expert_stack(self.experts)
             if backend == "triton" or self.bf16_from:
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
