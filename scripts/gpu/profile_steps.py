@@ -67,18 +67,20 @@ def device_gaps(prof) -> tuple[float, float, list[tuple[float, float, str, str]]
     return end - t0, busy, gaps
 
 
-def host_waits(prof) -> dict[str, int]:
+def host_waits(prof) -> dict[str, tuple[int, float]]:
     """What in the profile made the host wait for the GPU: copies from or to pageable host memory (CUDA syncs the
-    stream around them) and the runtime's synchronize calls; name -> count."""
-    waits: dict[str, int] = {}
+    stream around them) and the runtime's synchronize calls; name -> (count, µs the host spent in them; 0 for the
+    copies, whose wait shows as the runtime call that issued them)."""
+    waits: dict[str, tuple[int, float]] = {}
     for e in prof.events():
         if e.device_type.name == "CUDA" and "Pageable" in e.name:
-            key = e.name
+            us = 0.0
         elif e.device_type.name == "CPU" and "Synchronize" in e.name:
-            key = e.name
+            us = e.time_range.end - e.time_range.start
         else:
             continue
-        waits[key] = waits.get(key, 0) + 1
+        n, t = waits.get(e.name, (0, 0.0))
+        waits[e.name] = (n + 1, t + us)
     return waits
 
 
@@ -99,7 +101,8 @@ def gap_report(title: str, prof, steps: int, out: str, top: int = 20) -> None:
         print(f"  gaps {lo:>5.0f}-{hi:<5.0f} µs: {len(sel) / steps:8.1f} a step, "
               f"{sum(sel) / steps / 1e3:8.2f} ms a step")
     waits = host_waits(prof)
-    print("  host waits a step: " + (", ".join(f"{k} {n / steps:.1f}" for k, n in sorted(waits.items())) or "none"))
+    print("  host waits a step: " + (", ".join(f"{k} {n / steps:.1f} ({t / steps / 1e3:.2f} ms)"
+                                              for k, (n, t) in sorted(waits.items())) or "none"))
     print(f"  the {top} longest (ms into the profile, µs, the work before the gap -> the work after it):")
     for at, gap, before, after in sorted(gaps, key=lambda g: -g[1])[:top]:
         print(f"  {at / 1e3:10.2f} {gap:9.1f}  {before} -> {after}")
