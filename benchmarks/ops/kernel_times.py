@@ -208,6 +208,7 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
 OGS_FLAG_SWEEP = ({}, {"is_persistent": True}, {"num_stages": 3}, {"block_k": 256}, {"num_stages": 5}, {"split_k": 2},
                   {"block_m": 32}, {"epilogue_subtile": 1})
 OGS_FLAG_SWEEP_PREFILL = 3
+OGS_FLAG_SWEEP_DECODE_MAX = 256  # token counts up to this get the whole sweep
 
 
 @contextlib.contextmanager
@@ -240,7 +241,7 @@ def section_ogs_flags(tokens: list[int], iters: int) -> None:
         x, idx, wts = routed_batch(T, g)
         nbytes = idx.unique().numel() * per_expert
         want = linear.ogs_moe(x, stack, idx, wts, 10.0).float()
-        for flags in OGS_FLAG_SWEEP[:None if T <= 256 else OGS_FLAG_SWEEP_PREFILL]:
+        for flags in OGS_FLAG_SWEEP[:None if T <= OGS_FLAG_SWEEP_DECODE_MAX else OGS_FLAG_SWEEP_PREFILL]:
             try:
                 with _ogs_constraints(flags):
                     got = linear.ogs_moe(x, stack, idx, wts, 10.0).float()

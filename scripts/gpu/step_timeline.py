@@ -16,9 +16,10 @@ close to the host time says the host sets it; close to the GPU time, the GPU.  T
 ``$OUT/timeline.json``.  ``--profile-decode N`` adds a third run whose first N pure decode steps (every
 prompt prefilled) run under ``torch.profiler``: their kernels by name, count and time per step, without the
 prefill chunks that a difference of two runs (``profile_steps.py``) mixes in; ``--profile-prefill`` does the same for
-the steps that hold prefill tokens, and ``--cprofile-prefill`` puts the runner's host work in those steps under
-``cProfile`` (where the host's time goes when it, not the GPU, sets a prefill step's pace).  Both then report, on a GPU, where the GPU sat idle between kernels in those
+the steps that hold prefill tokens.  Both then report, on a GPU, where the GPU sat idle between kernels in those
 steps (``profile_steps.gap_report``: gaps by length, the longest with the work around them).
+``--cprofile-prefill`` puts the runner's host work in the prefill steps of one more run under ``cProfile``: where the
+host's time goes when it, not the GPU, sets a prefill step's pace.
 
     PYTHONPATH=/tmp/site OUT=$OUT python3 scripts/gpu/step_timeline.py /tmp/bench --batch 64 --prompt 1024 --out 256
 """
