@@ -398,3 +398,60 @@ def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
     # a cache-record code at a rounding midpoint can flip between 6- and 8-row sums (on an AVX2 CPU one prompt's
     # logits moved by 1.5e-3 from its first decode step on); a padding fault moves them by far more
     assert worst < 1e-2
+
+
+def test_prefill_decoder_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch):
+    """``VLLM_DSV41_PREFILL_GRAPHS=static``: the decoder layers of pruned prefill steps run as the padded static step
+    over their kept rows that CUDA captures (``graphs.DecoderGraphs``, ``kept_step_meta``), without capture.
+    Default mode (decoder rows pruned, then a replayed prefix hit): the tokens equal the pruned reference and the
+    eager run's, the logits the eager run's to fp32 summation order; the static decoder steps read nothing back on
+    the host (what capture needs) and the keys are the buckets of the steps' shapes."""
+    from vllm_dsv41.model_executor import graphs
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    probe, run = _HostReads(), graphs.DecoderGraphs.run
+    seen = []
+
+    def run_probed(self, meta, kept, *a, **k):
+        decoder = self.run_decoder
+
+        def probed(step, S, pre, carry):
+            with probe:
+                return decoder(step, S, pre, carry)
+
+        self.run_decoder = probed
+        seen.append((meta.num_reqs, kept.numel(), self.key(meta, kept.numel())))
+        try:
+            return run(self, meta, kept, *a, **k)
+        finally:
+            self.run_decoder = decoder
+
+    monkeypatch.setattr(graphs.DecoderGraphs, "run", run_probed)
+    W = tiny_model.cfg.sliding_window
+    base = prompts[-1]  # 200 tokens
+    follow = base[:150] + [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    kw = dict(max_num_batched_tokens=4096, enable_prefix_caching=True, logprobs_mode="raw_logits", max_logprobs=-1)
+    runs = {}
+    for mode in ("0", "static"):
+        monkeypatch.setenv(graphs.PREFILL_GRAPH_ENV, mode)
+        with engine(tiny_ckpt, exact=False, **kw) as llm:
+            first = _generate(llm, prompts, logits=True)
+            second = _generate(llm, [follow], logits=True)[0]
+        runs[mode] = [list(o.outputs[0].token_ids) for o in first + [second]], [_vocab_logits(o) for o in first + [second]]
+        if mode == "0":
+            assert not seen, "decoder graphs ran with VLLM_DSV41_PREFILL_GRAPHS=0"
+    assert seen, "no prefill step went through the decoder graphs"
+    for (B, n_kept, key), in zip(seen):
+        assert key[0] >= B and key[1] >= max(n_kept, graphs.MIN_KEPT_ROWS) and n_kept <= B * W, (B, n_kept, key)
+    assert not probe.hits, f"host reads inside static decoder steps: {sorted(probe.hits)}"
+    for p, toks in zip(prompts, runs["static"][0]):
+        assert toks == tiny_model.generate(p, MAX_TOKENS, prune=True)[0], f"pruned prefill of {len(p)} tokens differs"
+    hit = second.num_cached_tokens
+    assert hit >= 64, "the prefix-cache hit was not taken"
+    ref, _ = tiny_model.generate(follow, MAX_TOKENS, prune=True, replay_start=hit - W, hit=hit, filler=base)
+    assert runs["static"][0][-1] == ref
+    assert runs["static"][0] == runs["0"][0]
+    worst = max((a - b).abs().max().item() for a, b in zip(runs["0"][1], runs["static"][1]))
+    print(f"static decoder steps of {len(seen)} prefill steps, keys {sorted({k for *_, k in seen})}: "
+          f"|logit difference| to eager {worst:.2e}")
+    assert worst < 1e-2  # fp32 summation order over padded rows; a padding fault moves logits by far more

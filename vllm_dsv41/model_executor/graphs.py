@@ -18,6 +18,15 @@ is exact: padded rows write nothing (slot -1), read block 0 and are discarded
 
 ``VLLM_DSV41_CUDAGRAPH``: ``auto`` (default: on CUDA with the ops path), ``0`` (off) or ``static``
 (the padded static steps without capture, on any device: how the CPU tests check the padding).
+
+Also owns :class:`DecoderGraphs`: the decoder layers of a prefill step, which run on the pruned rows (each
+request's last ``sliding_window`` rows), captured the same way under a (request bucket, row bucket, context
+bucket) key.  In a prunable layout those layers own no compressor and no Engram: they read the caches the
+encoder wrote and write only their SWA rings, so the kept rows make a step of their own (:func:`kept_step_meta`).
+Eager, their launches cost the host as much as an encoder layer's for a fraction of the GPU work, which left the
+GPU waiting at the end of every prefill chunk (docs/benchmarks.md, session 13).  ``VLLM_DSV41_PREFILL_GRAPHS``:
+``0`` (default until measured on a GPU), ``1`` (capture on CUDA with the ops path) or ``static`` (the padded
+static decoder steps without capture, on any device).
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ from vllm_dsv41.model_executor.step import GroupView, Step
 logger = logging.getLogger(__name__)
 
 GRAPH_ENV = "VLLM_DSV41_CUDAGRAPH"
+PREFILL_GRAPH_ENV = "VLLM_DSV41_PREFILL_GRAPHS"
 MIN_CONTEXT = 1024
+MIN_KEPT_ROWS = 256  # smallest row bucket of the decoder graphs
 
 
 _IN_STATIC_STEP = False
@@ -66,6 +77,19 @@ def graph_mode(device: torch.device, use_ops: bool) -> str:
         return "static" if use_ops else "off"
     if v not in ("", "auto", "1", "true", "on", "yes"):
         raise ValueError(f"{GRAPH_ENV}={v!r}: expected auto, 0 or static")
+    return "capture" if device.type == "cuda" and use_ops else "off"
+
+
+def prefill_graph_mode(device: torch.device, use_ops: bool) -> str:
+    """``capture``, ``static`` or ``off`` for the decoder layers of prefill steps (``VLLM_DSV41_PREFILL_GRAPHS``:
+    ``0`` by default, ``1`` or ``static``; see the module docstring)."""
+    v = os.environ.get(PREFILL_GRAPH_ENV, "0").strip().lower()
+    if v in ("", "0", "false", "off", "no"):
+        return "off"
+    if v == "static":
+        return "static" if use_ops else "off"
+    if v not in ("1", "true", "on", "yes"):
+        raise ValueError(f"{PREFILL_GRAPH_ENV}={v!r}: expected 0, 1 or static")
     return "capture" if device.type == "cuda" and use_ops else "off"
 
 
@@ -111,6 +135,41 @@ def pad_decode_meta(meta: DSV41StepMetadata, batch: int) -> DSV41StepMetadata:
                 layer_names=g.layer_names, step=out,
                 runner_slots=None if g.runner_slots is None else _pad(g.runner_slots, B, -1))
         out.groups[name] = pg
+    return out
+
+
+def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.Tensor, rows: int,
+                   batch: int) -> DSV41StepMetadata:
+    """The rows ``kept`` (host int64, ascending: each request's kept rows together; ``kept_dev``: the same on the
+    runner's device) of the step ``meta`` as a step of their own, grown to ``rows`` rows and ``batch`` requests.  The kept rows keep their positions, requests and
+    SWA slots (the runner's slot mapping at those rows); padded rows sit at position 0 of request 0 and write
+    nothing (slot -1); padded requests read through an all-zero block-table row, as in :func:`pad_decode_meta`.
+    Every row's result depends on its own inputs only, so the kept rows' results are those of the eager
+    decoder layers on the same rows."""
+    n, B, R = meta.num_reqs, batch, rows
+    req = meta.token_req_idx[kept]
+    counts = torch.bincount(req, minlength=n)[:n]
+    qsl = torch.zeros(B + 1, dtype=meta.query_start_loc.dtype)
+    qsl[1:n + 1] = torch.cumsum(counts, 0)
+    qsl[n + 1:] = qsl[n]
+    out = DSV41StepMetadata(
+        num_reqs=B, num_tokens=R, req_ids=list(meta.req_ids) + [None] * (B - n), query_start_loc=qsl,
+        seq_lens=_pad(meta.seq_lens, B, 1), context_lens=_pad(meta.context_lens, B, 0),
+        positions=_pad(meta.positions[kept], R, 0), token_req_idx=_pad(req, R, 0),
+        replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
+        lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False))
+    done: dict[int, DSV41GroupMetadata] = {}
+    for name, g in meta.groups.items():
+        kg = done.get(id(g))
+        if kg is None:
+            slots = None
+            if g.runner_slots is not None:
+                slots = _pad(g.runner_slots[kept_dev], R, -1)
+            kg = done[id(g)] = DSV41GroupMetadata(
+                kind=g.kind, block_size=g.block_size, tokens_per_state=g.tokens_per_state,
+                rows_per_block=g.rows_per_block, block_table=_pad(g.block_table, B, 0),
+                layer_names=g.layer_names, step=out, runner_slots=slots)
+        out.groups[name] = kg
     return out
 
 
@@ -194,7 +253,9 @@ class StaticStep(Step):
         self.input_ids[:n].copy_(input_ids[:n])
         self.input_ids[n:].zero_()
         for key, t in self._fields(meta).items():
-            self._dev[key].copy_(t, non_blocking=True)
+            # from pinned memory: a copy from pageable memory would wait for the whole stream first
+            src = t.pin_memory() if self.device.type == "cuda" and not t.is_pinned() else t
+            self._dev[key].copy_(src, non_blocking=True)
         done: set[int] = set()
         for name, g in meta.groups.items():
             v = self._views[name]
@@ -261,3 +322,84 @@ class DecodeGraphs:
                 logger.warning("vllm-dsv41: decode CUDA-graph capture failed (%s); decode steps run eagerly",
                                self.failed, exc_info=True)
         return h[:n]
+
+
+class DecoderGraphs:
+    """The decoder layers of prefill steps on their kept rows, captured per (request bucket, row bucket, context
+    bucket); ``run_decoder(step, S, pre, carry)`` is the model's decoder-layer loop from the boundary layer's
+    outputs (S [R, C, H], pre [R, C]) over a step whose rows are the kept rows; ``carry`` holds what the decoder
+    layers read from the encoder's per-step results (the boundary layer's top-k ids, candidate blocks), one row
+    per kept row, padded with -1 (nothing selected)."""
+
+    def __init__(self, run_decoder: Callable[[Step, torch.Tensor, torch.Tensor, dict],
+                                             tuple[torch.Tensor, torch.Tensor]],
+                 max_rows: int, max_context: int):
+        self.run_decoder = run_decoder
+        self.max_rows = max_rows
+        self.max_context = max_context
+        self.pool = None
+        self.entries: dict[tuple[int, int, int], tuple] = {}
+        self.entries_seen: set[tuple[int, int, int]] = set()
+        self.failed: str | None = None  # why capture failed; decoder layers then stay eager
+
+    def key(self, meta: DSV41StepMetadata, n_kept: int) -> tuple[int, int, int]:
+        ctx = min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
+        return _pow2_at_least(meta.num_reqs), _pow2_at_least(n_kept, MIN_KEPT_ROWS), ctx
+
+    def accepts(self, meta: DSV41StepMetadata, n_kept: int) -> bool:
+        return (self.failed is None and 0 < n_kept <= self.max_rows and meta.num_reqs > 0
+                and int(meta.positions.max()) < self.max_context)
+
+    def run(self, meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.Tensor, S: torch.Tensor,
+            pre: torch.Tensor, carry: dict, device: torch.device, capture: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S, pre) of the kept rows after the decoder layers.  ``kept``: host row indices (``kept_dev`` on the
+        device); ``S``, ``pre``: the boundary layer's outputs on those rows; ``carry``: see the class.
+        ``capture=False`` runs the padded static step eagerly (the CPU check of the padding)."""
+        n = kept.numel()
+        key = self.key(meta, n)
+        B, R, ctx = key
+        self.entries_seen.add(key)
+        kmeta = kept_step_meta(meta, kept, kept_dev, R, B)
+        inputs = {"S": S, "pre": pre, **carry}
+        entry = self.entries.get(key)
+        if entry is not None and entry[2].keys() == inputs.keys():
+            step, graph, bufs, (S_out, pre_out) = entry
+            self._load(step, kmeta, bufs, inputs)
+            graph.replay()
+            return S_out[:n], pre_out[:n]
+        step = StaticStep(kmeta, device, ctx)
+        bufs = {k: t.new_full((R, *t.shape[1:]), -1 if k not in ("S", "pre") else 0) for k, t in inputs.items()}
+        self._load(step, kmeta, bufs, inputs)
+
+        def decoder():
+            return self.run_decoder(step, bufs["S"], bufs["pre"], {k: v for k, v in bufs.items()
+                                                                   if k not in ("S", "pre")})
+
+        with _static_step():
+            S_eager, pre_eager = decoder()  # this step's answer, and the warm-up before capture
+        if capture:
+            try:
+                step.scratch.clear()
+                graph = torch.cuda.CUDAGraph()
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                with _static_step(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                    outs = decoder()
+                self.entries[key] = (step, graph, bufs, outs)
+            except Exception as e:  # a capture-unsafe op: serve eagerly rather than fail the request
+                self.failed = f"{type(e).__name__}: {e}"
+                self.entries.clear()
+                logger.warning("vllm-dsv41: prefill decoder CUDA-graph capture failed (%s); decoder layers of "
+                               "prefill steps run eagerly", self.failed, exc_info=True)
+        return S_eager[:n], pre_eager[:n]
+
+    @staticmethod
+    def _load(step: StaticStep, kmeta: DSV41StepMetadata, bufs: dict, inputs: dict) -> None:
+        """The kept step's metadata into the step's buffers, each input into its buffer's first rows (the padded
+        rows: zero streams, no selection)."""
+        step.load(kmeta, step.input_ids, 0)
+        for k, t in inputs.items():
+            b = bufs[k]
+            b[:t.shape[0]].copy_(t)
+            b[t.shape[0]:].fill_(0 if k in ("S", "pre") else -1)

@@ -42,7 +42,8 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
                                               fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
                                               ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
-from vllm_dsv41.model_executor.graphs import DecodeGraphs, graph_mode, in_static_step
+from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, graph_mode, in_static_step,
+                                              prefill_graph_mode)
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.ops import mhc as mhc_op
 from vllm_dsv41.ops import sparse_attn_gathered
@@ -642,18 +643,22 @@ class DecoderLayer(nn.Module):
         return ops.mhc_post(S, self.ffn(x, ops=True), post_f, comb_f), pre_f
 
 
-def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
-    """CED pruning (§3.2): the step rows the decoder layers run on — each request's last ``window`` rows.
+def kept_rows_host(step: Step, window: int) -> torch.Tensor:
+    """CED pruning (§3.2): the step rows the decoder layers run on, each request's last ``window`` rows, as host
+    int64 indices (ascending), from the CPU metadata."""
+    qsl = step.query_start_loc_cpu.tolist()
+    keep = [torch.arange(max(qsl[i], qsl[i + 1] - window), qsl[i + 1]) for i in range(step.num_reqs)]
+    return torch.cat(keep) if keep else torch.arange(0)
 
-    The one boundary between encoder and decoder: a graph split hooks here.  Built on the host from
-    the CPU metadata, moved to the step's device once.
-    """
+
+def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
+    """The kept rows (:func:`kept_rows_host`) on the step's device, moved once; every row when pruning is off.
+
+    The one boundary between encoder and decoder: a graph split hooks here (:class:`graphs.DecoderGraphs`)."""
     T = step.num_tokens
     if not enabled:
         return step.all_rows(T)
-    qsl = step.query_start_loc_cpu.tolist()
-    keep = [torch.arange(max(qsl[i], qsl[i + 1] - window), qsl[i + 1]) for i in range(step.num_reqs)]
-    return host_to_device(torch.cat(keep) if keep else torch.arange(0), step.device)
+    return host_to_device(kept_rows_host(step, window), step.device)
 
 
 class DeepseekV41Model(nn.Module):
@@ -663,6 +668,8 @@ class DeepseekV41Model(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, L, f"{prefix}layers.{L}", bounded_replay, wf) for L in range(cfg.n_layers))
         self.prune = bounded_replay and cfg.decoder_prunable
+        self.decoder_graphs: DecoderGraphs | None = None  # set by the causal LM (prefill_graph_mode)
+        self.decoder_graph_mode = "off"
         self._engram = engram_math.engram_hashing_from_config(cfg) if cfg.engram_layer_ids else None
         self._engram_consts: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}  # engram_rows'
 
@@ -720,8 +727,17 @@ class DeepseekV41Model(nn.Module):
         pre[:, 0] = 1.0
         kept = decoder_rows(step, cfg.sliding_window, self.prune and step.needs_pruning(cfg.sliding_window))
         base_floor = step.replay_start
+        graphs = self.decoder_graphs if kept.numel() < T and not in_static_step() else None
         for L, layer in enumerate(self.layers):
             plan = layer.plan
+            if graphs is not None and L == cfg.boundary_layer + 1:
+                kept_host = kept_rows_host(step, cfg.sliding_window)
+                carry = {k: step.scratch[k] for k in decoder_carry_keys(cfg) if k in step.scratch}
+                if graphs.accepts(step.meta, kept_host.numel()) and all(
+                        t.shape[0] == kept_host.numel() for t in carry.values()):
+                    S, pre = graphs.run(step.meta, kept_host, kept, S, pre, carry, S.device,
+                                        capture=self.decoder_graph_mode == "capture")
+                    return S, pre, tok
             if plan.has_engram:
                 S = layer.engram(S, step.take(self.engram_rows(step, L), tok))
             rows = step.all_rows(tok.numel())
@@ -734,6 +750,33 @@ class DeepseekV41Model(nn.Module):
             S, pre = layer(self, step, S, pre, tok, rows, floors)
             tok = step.take(tok, rows)
         return S, pre, tok
+
+
+def decoder_carry_keys(cfg: DSV41Config) -> list:
+    """The per-step results (``Step.scratch`` keys) that decoder layers read from layers up to the boundary: the
+    top-k ids of index sources there, and the candidate blocks when a decoder layer consumes them."""
+    b, keys = cfg.boundary_layer, []
+    for L in range(b + 1, cfg.n_layers):
+        p = cfg.plan(L)
+        if p.compress_ratio > 0 and p.index_source is not None and p.index_source <= b:
+            keys.append(("topk_ids", p.index_source))
+        if p.is_candidate_consumer and any(cfg.plan(i).is_candidate_source for i in range(b + 1)):
+            keys.append("cand_blocks")
+    return list(dict.fromkeys(keys))
+
+
+def _run_decoder(model: DeepseekV41Model, step: Step, S: torch.Tensor, pre: torch.Tensor, carry: dict
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layers (after the boundary) over a step whose rows are the kept rows (``graphs.kept_step_meta``):
+    every row of it, with the decoder floors the eager loop uses, made from the step's own tensors, and ``carry``
+    (:func:`decoder_carry_keys`) in the step's scratch."""
+    cfg = model.cfg
+    step.scratch.update(carry)
+    rows = step.all_rows(S.shape[0])
+    floors = step.once("decoder_floors", lambda: torch.maximum(step.replay_start, step.seq_lens - cfg.sliding_window))
+    for layer in model.layers[cfg.boundary_layer + 1:]:
+        S, pre = layer(model, step, S, pre, rows, rows, floors)
+    return S, pre
 
 
 def _compressed_token_map(vllm_config, cfg: DSV41Config) -> torch.Tensor:
@@ -773,6 +816,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.model.set_token_map(_compressed_token_map(vllm_config, cfg))
         self._graph_mode: str | None = None  # decided on the first step (graphs.graph_mode)
         self._graphs: DecodeGraphs | None = None
+        self._prefill_graph_mode: str | None = None  # the same for the prefill decoder graphs
+        prefill_graph_mode(torch.device("cpu"), True)  # a misspelt VLLM_DSV41_PREFILL_GRAPHS fails the start
 
     # vLLM model interface -------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -795,6 +840,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if graphs is not None and graphs.accepts(meta):
             out[:n] = graphs.run(meta, input_ids, dev, capture=self._graph_mode == "capture")
             return out
+        self._prefill_decoder_graphs(dev, ops)
         step = Step(meta, input_ids[:n] if input_ids is not None else None, device=dev, use_ops=ops)
         e = inputs_embeds[:n] if inputs_embeds is not None else self.embed_input_ids(input_ids[:n])
         h, tok = self._final_hidden(step, e)
@@ -839,6 +885,20 @@ class DeepseekV41ForCausalLM(nn.Module):
                 self._graphs = DecodeGraphs(lambda st: self._final_hidden(st, self.embed_input_ids(st.input_ids))[0],
                                             max_batch=min(sc.max_num_seqs, 512), max_context=mc.max_model_len)
         return self._graphs
+
+    def _prefill_decoder_graphs(self, device: torch.device, ops: bool) -> None:
+        """The decoder-layer graphs of prefill steps (``graphs.DecoderGraphs``), set on the model on the first step
+        when ``VLLM_DSV41_PREFILL_GRAPHS`` asks for them."""
+        if self._prefill_graph_mode is not None:
+            return
+        m = self.model
+        mode = self._prefill_graph_mode = prefill_graph_mode(device, ops)
+        if mode != "off" and m.prune:
+            mc, sc = self.vllm_config.model_config, self.vllm_config.scheduler_config
+            max_rows = self.cfg.sliding_window * min(sc.max_num_seqs, 512)
+            m.decoder_graphs = DecoderGraphs(functools.partial(_run_decoder, m), max_rows=max_rows,
+                                             max_context=mc.max_model_len)
+            m.decoder_graph_mode = mode
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.head(hidden_states.float())
