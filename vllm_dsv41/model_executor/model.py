@@ -12,7 +12,8 @@ Per step the model reads one :class:`~vllm_dsv41.attention.step.Step`
 (requests, positions, block tables, replay starts, Engram lookback ids).  Rows
 are flattened over requests for the projections, mHC and MoE; the plain path attends per
 request over gathered, decoded records.  Decoder-side pruning (§3.2) goes
-through :func:`decoder_rows`, the one place a graph split can hook.
+through :func:`decoder_rows`, the one place a graph split can hook: with ``VLLM_DSV41_PREFILL_GRAPHS`` the
+decoder layers of a pruned step run there as a captured graph (``graphs.DecoderGraphs``).
 
 Two paths, one switch (``VLLM_DSV41_OPS``, see :func:`ops_mode`): the plain-PyTorch path (per-request
 attention over gathered, decoded records; the reference's helpers) and the ops path (whole-batch slot
@@ -651,14 +652,15 @@ def kept_rows_host(step: Step, window: int) -> torch.Tensor:
     return torch.cat(keep) if keep else torch.arange(0)
 
 
-def decoder_rows(step: Step, window: int, enabled: bool) -> torch.Tensor:
-    """The kept rows (:func:`kept_rows_host`) on the step's device, moved once; every row when pruning is off.
+def decoder_rows(step: Step, window: int, enabled: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(the kept rows on the host (:func:`kept_rows_host`), the same on the step's device, moved once); (None, every
+    row) when pruning is off.
 
     The one boundary between encoder and decoder: a graph split hooks here (:class:`graphs.DecoderGraphs`)."""
-    T = step.num_tokens
     if not enabled:
-        return step.all_rows(T)
-    return host_to_device(kept_rows_host(step, window), step.device)
+        return None, step.all_rows(step.num_tokens)
+    kept = kept_rows_host(step, window)
+    return kept, host_to_device(kept, step.device)
 
 
 class DeepseekV41Model(nn.Module):
@@ -725,13 +727,13 @@ class DeepseekV41Model(nn.Module):
         tok = step.all_rows(T)
         pre = torch.zeros(T, cfg.hc_mult, device=dev)
         pre[:, 0] = 1.0
-        kept = decoder_rows(step, cfg.sliding_window, self.prune and step.needs_pruning(cfg.sliding_window))
+        kept_host, kept = decoder_rows(step, cfg.sliding_window,
+                                       self.prune and step.needs_pruning(cfg.sliding_window))
         base_floor = step.replay_start
-        graphs = self.decoder_graphs if kept.numel() < T and not in_static_step() else None
+        graphs = self.decoder_graphs if kept_host is not None and not in_static_step() else None
         for L, layer in enumerate(self.layers):
             plan = layer.plan
             if graphs is not None and L == cfg.boundary_layer + 1:
-                kept_host = kept_rows_host(step, cfg.sliding_window)
                 carry = {k: step.scratch[k] for k in decoder_carry_keys(cfg) if k in step.scratch}
                 if graphs.accepts(step.meta, kept_host.numel()) and all(
                         t.shape[0] == kept_host.numel() for t in carry.values()):
