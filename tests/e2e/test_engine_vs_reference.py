@@ -437,7 +437,8 @@ def test_prefill_decoder_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypat
         with engine(tiny_ckpt, exact=False, **kw) as llm:
             first = _generate(llm, prompts, logits=True)
             second = _generate(llm, [follow], logits=True)[0]
-        runs[mode] = [list(o.outputs[0].token_ids) for o in first + [second]], [_vocab_logits(o) for o in first + [second]]
+        outs = first + [second]
+        runs[mode] = [list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs]
         if mode == "0":
             assert not seen, "decoder graphs ran with VLLM_DSV41_PREFILL_GRAPHS=0"
     assert seen, "no prefill step went through the decoder graphs"

@@ -125,25 +125,33 @@ def pad_decode_meta(meta: DSV41StepMetadata, batch: int) -> DSV41StepMetadata:
         positions=_pad(meta.positions, B, 0), token_req_idx=torch.arange(B, dtype=meta.token_req_idx.dtype),
         replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
         lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False))
+    _add_groups(out, meta, lambda slots: _pad(slots, B, -1))
+    return out
+
+
+def _add_groups(out: DSV41StepMetadata, meta: DSV41StepMetadata,
+                slots_of: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """``meta``'s KV-cache groups, each once (its layers share it), into ``out``: block tables grown to ``out``'s
+    requests (all-zero rows: the null block), a SWA group's runner slots through ``slots_of``."""
     done: dict[int, DSV41GroupMetadata] = {}
     for name, g in meta.groups.items():
-        pg = done.get(id(g))
-        if pg is None:
-            pg = done[id(g)] = DSV41GroupMetadata(
+        ng = done.get(id(g))
+        if ng is None:
+            ng = done[id(g)] = DSV41GroupMetadata(
                 kind=g.kind, block_size=g.block_size, tokens_per_state=g.tokens_per_state,
-                rows_per_block=g.rows_per_block, block_table=_pad(g.block_table, B, 0),
+                rows_per_block=g.rows_per_block, block_table=_pad(g.block_table, out.num_reqs, 0),
                 layer_names=g.layer_names, step=out,
-                runner_slots=None if g.runner_slots is None else _pad(g.runner_slots, B, -1))
-        out.groups[name] = pg
-    return out
+                runner_slots=None if g.runner_slots is None else slots_of(g.runner_slots))
+        out.groups[name] = ng
 
 
 def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.Tensor, rows: int,
                    batch: int) -> DSV41StepMetadata:
     """The rows ``kept`` (host int64, ascending: each request's kept rows together; ``kept_dev``: the same on the
-    runner's device) of the step ``meta`` as a step of their own, grown to ``rows`` rows and ``batch`` requests.  The kept rows keep their positions, requests and
-    SWA slots (the runner's slot mapping at those rows); padded rows sit at position 0 of request 0 and write
-    nothing (slot -1); padded requests read through an all-zero block-table row, as in :func:`pad_decode_meta`.
+    runner's device) of the step ``meta`` as a step of their own, grown to ``rows`` rows and ``batch`` requests.
+    The kept rows keep their positions, requests and SWA slots (the runner's slot mapping at those rows); padded
+    rows sit at position 0 of request 0 and write nothing (slot -1); padded requests read through an all-zero
+    block-table row, as in :func:`pad_decode_meta`.
     Every row's result depends on its own inputs only, so the kept rows' results are those of the eager
     decoder layers on the same rows."""
     n, B, R = meta.num_reqs, batch, rows
@@ -158,18 +166,7 @@ def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.
         positions=_pad(meta.positions[kept], R, 0), token_req_idx=_pad(req, R, 0),
         replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
         lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False))
-    done: dict[int, DSV41GroupMetadata] = {}
-    for name, g in meta.groups.items():
-        kg = done.get(id(g))
-        if kg is None:
-            slots = None
-            if g.runner_slots is not None:
-                slots = _pad(g.runner_slots[kept_dev], R, -1)
-            kg = done[id(g)] = DSV41GroupMetadata(
-                kind=g.kind, block_size=g.block_size, tokens_per_state=g.tokens_per_state,
-                rows_per_block=g.rows_per_block, block_table=_pad(g.block_table, B, 0),
-                layer_names=g.layer_names, step=out, runner_slots=slots)
-        out.groups[name] = kg
+    _add_groups(out, meta, lambda slots: _pad(slots[kept_dev], R, -1))
     return out
 
 
@@ -268,18 +265,47 @@ class StaticStep(Step):
                 v.runner_slots.copy_(g.runner_slots, non_blocking=True)
 
 
-class DecodeGraphs:
+class _GraphSet:
+    """What the two graph sets share: one memory pool, the captured entries by key, and a capture that, when an
+    op turns out capture-unsafe, leaves the steps eager instead of failing the request."""
+
+    what = ""  # the steps, for the log
+
+    def __init__(self):
+        self.pool = None
+        self.entries: dict[tuple, tuple] = {}
+        self.entries_seen: set[tuple] = set()  # every key run, captured or not
+        self.failed: str | None = None  # why capture failed; the steps then stay eager
+
+    def _capture(self, step: StaticStep, fn: Callable[[], object]) -> tuple[object, object] | None:
+        """(graph, outputs) of ``fn()`` captured over ``step`` (its per-step results recomputed inside), or None."""
+        try:
+            step.scratch.clear()
+            graph = torch.cuda.CUDAGraph()
+            if self.pool is None:
+                self.pool = torch.cuda.graph_pool_handle()
+            with _static_step(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn()
+            return graph, out
+        except Exception as e:  # a capture-unsafe op: serve eagerly rather than fail the request
+            self.failed = f"{type(e).__name__}: {e}"
+            self.entries.clear()
+            logger.warning("vllm-dsv41: CUDA-graph capture of %s failed (%s); they run eagerly", self.what,
+                           self.failed, exc_info=True)
+            return None
+
+
+class DecodeGraphs(_GraphSet):
     """Captured decode steps keyed by (batch bucket, context bucket); ``run_model(step)`` is the model's
     forward from a step to the final hidden states [num_tokens, H]."""
 
+    what = "decode steps"
+
     def __init__(self, run_model: Callable[[Step], torch.Tensor], max_batch: int, max_context: int):
+        super().__init__()
         self.run_model = run_model
         self.max_batch = max_batch
         self.max_context = max_context
-        self.pool = None
-        self.entries: dict[tuple[int, int], tuple[StaticStep, object, torch.Tensor]] = {}
-        self.entries_seen: set[tuple[int, int]] = set()  # every key run, captured or not
-        self.failed: str | None = None  # why capture failed; decode steps then stay eager
 
     def accepts(self, meta: DSV41StepMetadata) -> bool:
         return (self.failed is None and is_decode_step(meta, self.max_batch)
@@ -307,40 +333,28 @@ class DecodeGraphs:
         step.load(padded, input_ids, n)
         with _static_step():
             h = self.run_model(step)  # eager: this step's answer, and the warm-up before capture
-        if capture:
-            try:
-                step.scratch.clear()
-                graph = torch.cuda.CUDAGraph()
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                with _static_step(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    out = self.run_model(step)
-                self.entries[(B, ctx)] = (step, graph, out)
-            except Exception as e:  # a capture-unsafe op: serve eagerly rather than fail the request
-                self.failed = f"{type(e).__name__}: {e}"
-                self.entries.clear()
-                logger.warning("vllm-dsv41: decode CUDA-graph capture failed (%s); decode steps run eagerly",
-                               self.failed, exc_info=True)
+        got = self._capture(step, lambda: self.run_model(step)) if capture else None
+        if got is not None:
+            self.entries[(B, ctx)] = (step, *got)
         return h[:n]
 
 
-class DecoderGraphs:
+class DecoderGraphs(_GraphSet):
     """The decoder layers of prefill steps on their kept rows, captured per (request bucket, row bucket, context
     bucket); ``run_decoder(step, S, pre, carry)`` is the model's decoder-layer loop from the boundary layer's
     outputs (S [R, C, H], pre [R, C]) over a step whose rows are the kept rows; ``carry`` holds what the decoder
     layers read from the encoder's per-step results (the boundary layer's top-k ids, candidate blocks), one row
     per kept row, padded with -1 (nothing selected)."""
 
+    what = "the decoder layers of prefill steps"
+
     def __init__(self, run_decoder: Callable[[Step, torch.Tensor, torch.Tensor, dict],
                                              tuple[torch.Tensor, torch.Tensor]],
                  max_rows: int, max_context: int):
+        super().__init__()
         self.run_decoder = run_decoder
         self.max_rows = max_rows
         self.max_context = max_context
-        self.pool = None
-        self.entries: dict[tuple[int, int, int], tuple] = {}
-        self.entries_seen: set[tuple[int, int, int]] = set()
-        self.failed: str | None = None  # why capture failed; decoder layers then stay eager
 
     def key(self, meta: DSV41StepMetadata, n_kept: int) -> tuple[int, int, int]:
         ctx = min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
@@ -378,20 +392,10 @@ class DecoderGraphs:
 
         with _static_step():
             S_eager, pre_eager = decoder()  # this step's answer, and the warm-up before capture
-        if capture:
-            try:
-                step.scratch.clear()
-                graph = torch.cuda.CUDAGraph()
-                if self.pool is None:
-                    self.pool = torch.cuda.graph_pool_handle()
-                with _static_step(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    outs = decoder()
-                self.entries[key] = (step, graph, bufs, outs)
-            except Exception as e:  # a capture-unsafe op: serve eagerly rather than fail the request
-                self.failed = f"{type(e).__name__}: {e}"
-                self.entries.clear()
-                logger.warning("vllm-dsv41: prefill decoder CUDA-graph capture failed (%s); decoder layers of "
-                               "prefill steps run eagerly", self.failed, exc_info=True)
+        got = self._capture(step, decoder) if capture else None
+        if got is not None:
+            graph, outs = got
+            self.entries[key] = (step, graph, bufs, outs)
         return S_eager[:n], pre_eager[:n]
 
     @staticmethod
