@@ -250,9 +250,13 @@ class StaticStep(Step):
         self.input_ids[:n].copy_(input_ids[:n])
         self.input_ids[n:].zero_()
         for key, t in self._fields(meta).items():
-            # from pinned memory: a copy from pageable memory would wait for the whole stream first
-            src = t.pin_memory() if self.device.type == "cuda" and not t.is_pinned() else t
-            self._dev[key].copy_(src, non_blocking=True)
+            buf = self._dev[key]
+            if self.device.type == "cuda":
+                # through a private pinned copy: from pageable memory the copy would wait for the whole stream
+                # first, and a field may be a view of the runner's pinned buffers, which it refills for the next
+                # step before this copy has run
+                t = torch.empty(t.shape, dtype=buf.dtype, pin_memory=True).copy_(t)
+            buf.copy_(t, non_blocking=True)
         done: set[int] = set()
         for name, g in meta.groups.items():
             v = self._views[name]
