@@ -250,13 +250,7 @@ class StaticStep(Step):
         self.input_ids[:n].copy_(input_ids[:n])
         self.input_ids[n:].zero_()
         for key, t in self._fields(meta).items():
-            buf = self._dev[key]
-            if self.device.type == "cuda":
-                # through a private pinned copy: from pageable memory the copy would wait for the whole stream
-                # first, and a field may be a view of the runner's pinned buffers, which it refills for the next
-                # step before this copy has run
-                t = torch.empty(t.shape, dtype=buf.dtype, pin_memory=True).copy_(t)
-            buf.copy_(t, non_blocking=True)
+            self._dev[key].copy_(t, non_blocking=True)
         done: set[int] = set()
         for name, g in meta.groups.items():
             v = self._views[name]
