@@ -147,3 +147,70 @@ def test_group_slots_from_the_table_and_inside_a_static_step(kind):
     assert static.group("x").slot_mapping.tolist() == want + [-1] * 4
     if kind == "ring":
         assert static.group("x").ring_block_ids.tolist() == [3, 5, 8, 0] + [0] * 4
+
+
+def test_kept_step_meta_is_the_kept_rows_as_a_step():
+    """The decoder graphs' step over the kept rows: each kept row keeps its position, request and SWA slot (the
+    runner's, at that row); padded rows sit at position 0 of request 0 and write nothing; padded requests read the
+    null block; the kept step's query starts count each request's kept rows."""
+    from vllm_dsv41.model_executor.graphs import StaticStep, kept_step_meta
+
+    step = _step([0, 6, 7, 12], [0, 40, 10], [[-1] * 3] * 3, list(range(12)))  # rows: 6, 1 (decode), 5
+    meta = step.meta
+    runner = torch.arange(100, 112)
+    bt = torch.tensor([[1, 2], [3, 4], [5, 6]], dtype=torch.int32)
+    meta.groups["swa"] = DSV41GroupMetadata(kind="swa", block_size=32, tokens_per_state=1, rows_per_block=32,
+                                            block_table=bt, layer_names=["swa"], step=meta, runner_slots=runner)
+    kept = torch.tensor([3, 4, 5, 6, 9, 10, 11])  # the last 3 rows of each request (the window)
+    k = kept_step_meta(meta, kept, kept, rows=10, batch=4)
+    assert (k.num_reqs, k.num_tokens) == (4, 10)
+    assert k.positions.tolist() == [3, 4, 5, 40, 12, 13, 14, 0, 0, 0]
+    assert k.token_req_idx.tolist() == [0, 0, 0, 1, 2, 2, 2, 0, 0, 0]
+    assert k.query_start_loc.tolist() == [0, 3, 4, 7, 7]
+    assert k.seq_lens.tolist() == [6, 41, 15, 1] and k.replay_start.tolist() == [0, 0, 0, 0]
+    g = k.groups["swa"]
+    assert g.runner_slots.tolist() == [103, 104, 105, 106, 109, 110, 111, -1, -1, -1]
+    assert g.block_table.tolist() == [[1, 2], [3, 4], [5, 6], [0, 0]]
+    static = StaticStep(k, torch.device("cpu"), context=1024)
+    static.load(k, static.input_ids, 0)
+    assert static.group("swa").slot_mapping.tolist() == g.runner_slots.tolist()
+    assert static.positions.tolist() == k.positions.tolist() and static.max_position == 1023
+
+
+def test_graph_capture_plumbing(monkeypatch, caplog):
+    """The capture both graph sets share (``_GraphSet._capture``), with CUDA's graph API stood in for: the step's
+    per-step results are dropped first (recomputed inside the graph), the capture runs in static-step mode in the
+    set's pool; a capture-unsafe op leaves the set eager (``failed``, entries cleared, one warning naming the steps)
+    instead of failing the request."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from vllm_dsv41.model_executor import graphs
+
+    captures = []
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, capture_error_mode=None):
+        captures.append((pool, capture_error_mode, graphs.in_static_step()))
+        yield
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    for cls in (graphs.DecodeGraphs, graphs.DecoderGraphs):
+        gs = cls(lambda *a: None, 8, 1024)
+        step = SimpleNamespace(scratch={"stale": 1})
+        seen = []
+        got = gs._capture(step, lambda: seen.append(dict(step.scratch)) or torch.ones(2))
+        assert got is not None and got[0] == "graph" and torch.equal(got[1], torch.ones(2))
+        assert seen == [{}] and gs.pool == "pool" and captures[-1] == ("pool", "thread_local", True)
+        assert not graphs.in_static_step() and gs.failed is None
+        gs.entries[("k",)] = "captured earlier"
+
+        def unsafe():
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+        with caplog.at_level("WARNING"):
+            assert gs._capture(step, unsafe) is None
+        assert gs.failed.startswith("RuntimeError") and gs.entries == {}
+        assert f"capture of {cls.what} failed" in caplog.text
