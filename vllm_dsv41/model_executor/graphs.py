@@ -68,29 +68,29 @@ def _static_step():
         _IN_STATIC_STEP = prev
 
 
-def graph_mode(device: torch.device, use_ops: bool) -> str:
-    """``capture``, ``static`` or ``off`` for this model (see the module docstring)."""
-    v = os.environ.get(GRAPH_ENV, "auto").strip().lower()
+def _env_mode(env: str, default: str, on: tuple[str, ...], expected: str, device: torch.device,
+              use_ops: bool) -> str:
+    """``capture``, ``static`` or ``off`` from ``env`` (unset or empty: ``default``); ``on`` are its spellings of
+    "capture where it can" (on CUDA with the ops path)."""
+    v = os.environ.get(env, default).strip().lower() or default
     if v in ("0", "false", "off", "no"):
         return "off"
     if v == "static":
         return "static" if use_ops else "off"
-    if v not in ("", "auto", "1", "true", "on", "yes"):
-        raise ValueError(f"{GRAPH_ENV}={v!r}: expected auto, 0 or static")
+    if v not in on:
+        raise ValueError(f"{env}={v!r}: expected {expected}")
     return "capture" if device.type == "cuda" and use_ops else "off"
+
+
+def graph_mode(device: torch.device, use_ops: bool) -> str:
+    """``capture``, ``static`` or ``off`` for this model's decode steps (see the module docstring)."""
+    return _env_mode(GRAPH_ENV, "auto", ("auto", "1", "true", "on", "yes"), "auto, 0 or static", device, use_ops)
 
 
 def prefill_graph_mode(device: torch.device, use_ops: bool) -> str:
     """``capture``, ``static`` or ``off`` for the decoder layers of prefill steps (``VLLM_DSV41_PREFILL_GRAPHS``:
     ``0`` by default, ``1`` or ``static``; see the module docstring)."""
-    v = os.environ.get(PREFILL_GRAPH_ENV, "0").strip().lower()
-    if v in ("", "0", "false", "off", "no"):
-        return "off"
-    if v == "static":
-        return "static" if use_ops else "off"
-    if v not in ("1", "true", "on", "yes"):
-        raise ValueError(f"{PREFILL_GRAPH_ENV}={v!r}: expected 0, 1 or static")
-    return "capture" if device.type == "cuda" and use_ops else "off"
+    return _env_mode(PREFILL_GRAPH_ENV, "0", ("1", "true", "on", "yes"), "0, 1 or static", device, use_ops)
 
 
 def _pow2_at_least(n: int, lo: int = 1) -> int:
@@ -269,11 +269,20 @@ class _GraphSet:
 
     what = ""  # the steps, for the log
 
-    def __init__(self):
+    def __init__(self, max_context: int):
+        self.max_context = max_context
         self.pool = None
         self.entries: dict[tuple, tuple] = {}
         self.entries_seen: set[tuple] = set()  # every key run, captured or not
         self.failed: str | None = None  # why capture failed; the steps then stay eager
+
+    def _fits(self, meta: DSV41StepMetadata) -> bool:
+        """Capture has not failed and the step's positions lie below the largest context served."""
+        return self.failed is None and int(meta.positions.max()) < self.max_context
+
+    def _context(self, meta: DSV41StepMetadata) -> int:
+        """The step's context bucket: the largest position it serves, a power of two >= ``MIN_CONTEXT``."""
+        return min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
 
     def _capture(self, step: StaticStep, fn: Callable[[], object]) -> tuple[object, object] | None:
         """(graph, outputs) of ``fn()`` captured over ``step`` (its per-step results recomputed inside), or None."""
@@ -300,18 +309,15 @@ class DecodeGraphs(_GraphSet):
     what = "decode steps"
 
     def __init__(self, run_model: Callable[[Step], torch.Tensor], max_batch: int, max_context: int):
-        super().__init__()
+        super().__init__(max_context)
         self.run_model = run_model
         self.max_batch = max_batch
-        self.max_context = max_context
 
     def accepts(self, meta: DSV41StepMetadata) -> bool:
-        return (self.failed is None and is_decode_step(meta, self.max_batch)
-                and int(meta.positions.max()) < self.max_context)
+        return is_decode_step(meta, self.max_batch) and self._fits(meta)
 
     def key(self, meta: DSV41StepMetadata) -> tuple[int, int]:
-        ctx = min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
-        return _pow2_at_least(meta.num_reqs), ctx
+        return _pow2_at_least(meta.num_reqs), self._context(meta)
 
     def run(self, meta: DSV41StepMetadata, input_ids: torch.Tensor, device: torch.device,
             capture: bool = True) -> torch.Tensor:
@@ -349,18 +355,15 @@ class DecoderGraphs(_GraphSet):
     def __init__(self, run_decoder: Callable[[Step, torch.Tensor, torch.Tensor, dict],
                                              tuple[torch.Tensor, torch.Tensor]],
                  max_rows: int, max_context: int):
-        super().__init__()
+        super().__init__(max_context)
         self.run_decoder = run_decoder
         self.max_rows = max_rows
-        self.max_context = max_context
 
     def key(self, meta: DSV41StepMetadata, n_kept: int) -> tuple[int, int, int]:
-        ctx = min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
-        return _pow2_at_least(meta.num_reqs), _pow2_at_least(n_kept, MIN_KEPT_ROWS), ctx
+        return _pow2_at_least(meta.num_reqs), _pow2_at_least(n_kept, MIN_KEPT_ROWS), self._context(meta)
 
     def accepts(self, meta: DSV41StepMetadata, n_kept: int) -> bool:
-        return (self.failed is None and 0 < n_kept <= self.max_rows and meta.num_reqs > 0
-                and int(meta.positions.max()) < self.max_context)
+        return 0 < n_kept <= self.max_rows and meta.num_reqs > 0 and self._fits(meta)
 
     def run(self, meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.Tensor, S: torch.Tensor,
             pre: torch.Tensor, carry: dict, device: torch.device, capture: bool = True
@@ -381,12 +384,11 @@ class DecoderGraphs(_GraphSet):
             graph.replay()
             return S_out[:n], pre_out[:n]
         step = StaticStep(kmeta, device, ctx)
-        bufs = {k: t.new_full((R, *t.shape[1:]), -1 if k not in ("S", "pre") else 0) for k, t in inputs.items()}
+        bufs = {k: t.new_full((R, *t.shape[1:]), self._padding(k)) for k, t in inputs.items()}
         self._load(step, kmeta, bufs, inputs)
 
         def decoder():
-            return self.run_decoder(step, bufs["S"], bufs["pre"], {k: v for k, v in bufs.items()
-                                                                   if k not in ("S", "pre")})
+            return self.run_decoder(step, bufs["S"], bufs["pre"], {k: bufs[k] for k in carry})
 
         with _static_step():
             S_eager, pre_eager = decoder()  # this step's answer, and the warm-up before capture
@@ -397,11 +399,15 @@ class DecoderGraphs(_GraphSet):
         return S_eager[:n], pre_eager[:n]
 
     @staticmethod
-    def _load(step: StaticStep, kmeta: DSV41StepMetadata, bufs: dict, inputs: dict) -> None:
-        """The kept step's metadata into the step's buffers, each input into its buffer's first rows (the padded
-        rows: zero streams, no selection)."""
+    def _padding(key) -> int:
+        """What a padded row of an input holds: zero streams (``S``, ``pre``), no selection (the carried ids)."""
+        return 0 if key in ("S", "pre") else -1
+
+    @classmethod
+    def _load(cls, step: StaticStep, kmeta: DSV41StepMetadata, bufs: dict, inputs: dict) -> None:
+        """The kept step's metadata into the step's buffers, each input into its buffer's first rows."""
         step.load(kmeta, step.input_ids, 0)
         for k, t in inputs.items():
             b = bufs[k]
             b[:t.shape[0]].copy_(t)
-            b[t.shape[0]:].fill_(0 if k in ("S", "pre") else -1)
+            b[t.shape[0]:].fill_(cls._padding(k))

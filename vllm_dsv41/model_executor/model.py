@@ -672,6 +672,7 @@ class DeepseekV41Model(nn.Module):
         self.prune = bounded_replay and cfg.decoder_prunable
         self.decoder_graphs: DecoderGraphs | None = None  # set by the causal LM (prefill_graph_mode)
         self.decoder_graph_mode = "off"
+        self.decoder_carry = decoder_carry_keys(cfg) if self.prune else []
         self._engram = engram_math.engram_hashing_from_config(cfg) if cfg.engram_layer_ids else None
         self._engram_consts: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}  # engram_rows'
 
@@ -734,7 +735,7 @@ class DeepseekV41Model(nn.Module):
         for L, layer in enumerate(self.layers):
             plan = layer.plan
             if graphs is not None and L == cfg.boundary_layer + 1:
-                carry = {k: step.scratch[k] for k in decoder_carry_keys(cfg) if k in step.scratch}
+                carry = {k: step.scratch[k] for k in self.decoder_carry if k in step.scratch}
                 if graphs.accepts(step.meta, kept_host.numel()) and all(
                         t.shape[0] == kept_host.numel() for t in carry.values()):
                     S, pre = graphs.run(step.meta, kept_host, kept, S, pre, carry, S.device,
@@ -744,9 +745,9 @@ class DeepseekV41Model(nn.Module):
                 S = layer.engram(S, step.take(self.engram_rows(step, L), tok))
             rows = step.all_rows(tok.numel())
             floors = base_floor
-            if kept.numel() < T and L == cfg.boundary_layer:
+            if kept_host is not None and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
-            elif kept.numel() < T and plan.is_decoder:  # one tensor for every decoder layer (caches key on it)
+            elif kept_host is not None and plan.is_decoder:  # one tensor for every decoder layer (caches key on it)
                 floors = step.once("decoder_floors",
                                    lambda: torch.maximum(base_floor, step.seq_lens - cfg.sliding_window))
             S, pre = layer(self, step, S, pre, tok, rows, floors)
