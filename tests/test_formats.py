@@ -548,3 +548,35 @@ def test_e2m1_decode_copies_its_table_to_a_device_once():
     assert HostCopies.n == 0, f"{HostCopies.n} host-to-device copies in 3 decodes"
     assert out.device.type == "meta" and out.dtype == torch.float32 and out.shape == (16,)
     assert torch.equal(F.e2m1_decode(torch.arange(16, dtype=torch.uint8)), F.E2M1_VALUES)
+
+
+def test_fp8_block_to_rows_moves_exponents_only():
+    """32x32 tiles whose scales differ within a row (by 2^3, and by 2^12): one scale per row (the largest tile's);
+    every value that stays in E4M3's normal range at that scale is exactly the tiled one, the rest round to the
+    nearest subnormal step (2^-9 x the row scale); most values of the tile 2^12 below are such."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(64, 128, generator=g)
+    w[:32, 32:64] *= 0.125
+    w[32:, 96:] *= 2.0 ** -12
+    q, s = F.quant_fp8_block(w, 32)
+    exact = F.dequant_fp8_block(q, s, 32)
+    q_rows, scale = F.fp8_block_to_rows(q, s, 32)
+    assert q_rows.dtype == torch.float8_e4m3fn and scale.shape == (64, 1)
+    assert torch.equal(scale, F.e8m0_to_float(s).amax(dim=1).repeat_interleave(32)[:, None])
+    got = q_rows.float() * scale
+    normal = exact.abs() >= 2.0 ** -6 * scale
+    assert torch.equal(got[normal], exact[normal])
+    assert ((got - exact).abs() <= 2.0 ** -10 * scale).all()
+    assert normal[:32, 32:64].float().mean() > 0.9 and normal[32:, 96:].float().mean() < 0.5
+    assert not torch.equal(got, exact)
+
+
+def test_quant_fp8_tokens_per_row_scale():
+    x = torch.tensor([[1.0, -2.0, 0.5, 448.0], [0.0, 0.0, 0.0, 0.0], [3e-3, -7e-3, 1e-3, 0.0]])
+    q, s = F.quant_fp8_tokens(x)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (3, 1)
+    assert s[0, 0] == 1.0 and s[1, 0] == F.FP8_TOKEN_SCALE_FLOOR and torch.equal(q[1].float(), torch.zeros(4))
+    assert q[0].float().tolist() == [1.0, -2.0, 0.5, 448.0]
+    assert s[2, 0] == pytest.approx(7e-3 / 448, rel=1e-6) and q[2, 1].float() == -448.0
+    back = q.float() * s
+    assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + 1e-12).all()  # E4M3: 3 mantissa bits, RNE

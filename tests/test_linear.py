@@ -125,10 +125,10 @@ def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path):
 
 @pytest.mark.parametrize("groups", [1, 4])
 def test_bf16_dense_gemm_backend(groups, monkeypatch):
-    """``VLLM_DSV41_DENSE_GEMM=bf16`` (the default): finalize on the fast device keeps the dequantised weight
+    """``VLLM_DSV41_DENSE_GEMM=bf16``: finalize on the fast device keeps the dequantised weight
     in the fast GEMM dtype and frees the FP8 bytes; the layer's output is the product with that weight (here
     in bf16 on CPU, the device seam patched), in the input's dtype."""
-    monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "bf16")
     monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
     g = torch.Generator().manual_seed(3)
     lin, ref = _fp8_layer(groups, g)
@@ -145,13 +145,17 @@ def test_bf16_dense_gemm_backend(groups, monkeypatch):
 
 def test_dense_gemm_backend_env(monkeypatch):
     monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
+    assert dense_gemm_backend() == "w8a8"
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "BF16")
     assert dense_gemm_backend() == "bf16"
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, " Marlin ")
     assert dense_gemm_backend() == "marlin"
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, "FP8")
     assert dense_gemm_backend() == "fp8"
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    assert dense_gemm_backend() == "w8a8"
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, "fp4")
-    with pytest.raises(ValueError, match="VLLM_DSV41_DENSE_GEMM='fp4'"):
+    with pytest.raises(ValueError, match="VLLM_DSV41_DENSE_GEMM='fp4': expected bf16, w8a8, marlin or fp8"):
         dense_gemm_backend()
 
 
@@ -241,17 +245,24 @@ def test_moe_backend_env(monkeypatch):
 @pytest.mark.parametrize("version,hidden,inter,want", [
     ("3.5.1", 5120, 2304, "ogs"),     # the bench / full widths, triton_kernels as vLLM's CUDA wheel vendors it
     ("3.6", 5120, 2304, "ogs"),
-    ("3.5.1", 64, 32, "marlin"),      # the tiny model: not the shapes matmul_ogs was measured at
+    ("3.5.1", 512, 192, "marlin"),    # widths Marlin tiles that matmul_ogs was not measured at
+    ("3.5.1", 64, 32, "loop"),        # the tiny model: below Marlin's tiles too
     (None, 5120, 2304, "marlin"),     # no triton_kernels (the CPU wheel)
     ("3.8", 5120, 2304, "marlin"),    # a triton_kernels without matmul_ogs
+    (None, 64, 32, "loop"),
 ])
 def test_auto_moe_backend(version, hidden, inter, want, monkeypatch):
     from vllm.utils import import_utils
 
     monkeypatch.setattr(import_utils, "get_triton_kernels_version", lambda: version)
     assert linear.resolve_moe_backend("auto", hidden, inter) == want
-    for explicit in ("marlin", "ogs", "triton"):  # an explicit choice is kept (ogs then fails where it cannot run)
+    for explicit in ("ogs", "triton"):  # an explicit choice is kept (ogs then fails where it cannot run)
         assert linear.resolve_moe_backend(explicit, hidden, inter) == explicit
+    if hidden % 128 == 0 and inter % 64 == 0:
+        assert linear.resolve_moe_backend("marlin", hidden, inter) == "marlin"
+    else:  # Marlin's launch would fail at the first large batch ("Invalid thread config"): refused at load, named
+        with pytest.raises(ValueError, match=f"hidden size {hidden} and intermediate size {inter}"):
+            linear.resolve_moe_backend("marlin", hidden, inter)
 
 
 @pytest.mark.parametrize("version,why", [(None, "does not import"), ("3.8", "no matmul_ogs")])
@@ -303,3 +314,61 @@ def test_bf16_moe_takes_our_tiles_where_vllm_has_no_tuned_file(monkeypatch):
     tuned = {4096: dict(BLOCK_SIZE_M=64, BLOCK_SIZE_N=64, BLOCK_SIZE_K=64, GROUP_SIZE_M=8, num_warps=4, num_stages=3)}
     monkeypatch.setattr(fm, "get_moe_configs", lambda E, N, dtype, *a, **kw: tuned if (E, N) == (32, 2304) else None)
     assert linear._bf16_moe_tiles(w13, w2, 6, 16384) == tuned[4096]
+
+
+def test_w8a8_dense_gemm_backend(monkeypatch):
+    """``VLLM_DSV41_DENSE_GEMM=w8a8``: finalize on the fast device keeps the weight as E4M3 rows under one power-of-two
+    scale each (here exact: the tiles of a row are within E4M3's range of each other) and frees the tiled bytes; the
+    output is the per-token FP8 quantisation of the bf16 input times that weight (the CPU reference of the CUDA
+    kernel), which is within FP8's rounding of the exact product; a grouped layer keeps the bf16 batched GEMM."""
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    g = torch.Generator().manual_seed(5)
+    lin, ref = _fp8_layer(1, g)
+    lin.finalize()
+    assert lin.w16 is None and lin.w8.dtype == torch.float8_e4m3fn and not hasattr(lin, "weight")
+    assert torch.equal(lin.w8.float() * lin.w8_scale, ref)
+    x = _grouped_input(1, g)
+    xb = x.to(torch.bfloat16)
+    q, sa = formats.quant_fp8_tokens(xb)
+    want = ((q.float() @ lin.w8.float().t()) * sa * lin.w8_scale.t()).to(torch.bfloat16).float()
+    got = lin(x)
+    assert got.dtype == x.dtype and torch.equal(got, want)
+    exact = xb.float() @ ref.t()
+    err = ((got - exact).norm() / exact.norm()).item()
+    assert 1e-3 < err < 4e-2, err  # FP8 activations: ~2.7e-2 on random data (bf16 weights alone: ~2e-3)
+    assert linear.w8a8_gemm(xb[:0], lin.w8, lin.w8_scale).shape == (0, N_OUT)
+
+    grouped, gref = _fp8_layer(4, g)
+    grouped.finalize()
+    assert grouped.w8 is None and torch.equal(grouped.w16, gref.to(torch.bfloat16))
+
+
+def test_moe_too_narrow_for_fused_kernels_keeps_the_expert_loop(tiny_ckpt, monkeypatch):
+    """A quantised MoE on the fast device whose widths neither matmul_ogs nor Marlin tile (the tiny preset's 64 x 32)
+    keeps its experts and runs the expert loop on them (no stack, no bf16 prefill copy), instead of failing at the
+    first large batch inside Marlin; the output is the loop's over the dequantised experts."""
+    from vllm_dsv41.config import load_config
+    from vllm_dsv41.model_executor import model
+
+    monkeypatch.delenv(linear.MOE_ENV, raising=False)
+    for mod in (linear, model):
+        monkeypatch.setattr(mod, "on_fast_device", lambda t: True)
+    cfg = load_config(tiny_ckpt)
+    plan = cfg.plans[0]
+    moe = model.MoE(cfg, plan, linear.WeightFormat(True, torch.float32, True))
+    g = torch.Generator().manual_seed(2)
+    for ex in moe.experts:
+        for name in ("w1", "w3", "w2"):
+            sub = getattr(ex, name)
+            packed, sc = formats.quant_mxfp4(torch.randn(sub.weight.shape[0], 2 * sub.weight.shape[1], generator=g))
+            sub.weight.data.copy_(packed.view(torch.int8))
+            sub.scale.data.copy_(formats.as_uint8(sc))
+    moe.gate.weight.data.normal_(generator=g)
+    moe.finalize()
+    assert moe.marlin is None and moe.mxfp4 is None and moe.ogs is None and moe.bf16_from == 0
+    assert len(moe.experts) == plan.n_routed_experts
+    x = torch.randn(300, cfg.hidden_size, generator=g)
+    idx, wts = model.route(x, moe.gate.weight, moe.gate.bias, moe.k, moe.scale)
+    want = linear.loop_moe(x, moe.experts, idx, wts, moe.limit)
+    torch.testing.assert_close(moe(x) - moe.shared_experts(x), want)

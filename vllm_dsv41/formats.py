@@ -294,6 +294,29 @@ def dequant_fp8_block(
     return (_as_e4m3(w_fp8).to(torch.float32) * s).to(dtype)
 
 
+def fp8_block_to_rows(w_fp8: torch.Tensor, scale: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 under block x block UE8M0 tiles -> (float8_e4m3fn [out, in], float32 [out, 1]): one power-of-two scale per
+    row, the largest tile scale of that row, for GEMMs that take per-row weight scales.  A value only moves down in
+    exponent, so it is exact unless it falls below E4M3's normal range (2**-6 x the row scale: rounded there, RNE)."""
+    rows = w_fp8.shape[0]
+    row_byte = as_uint8(scale).amax(dim=1).repeat_interleave(block)[:rows]
+    row_scale = e8m0_to_float(row_byte)[:, None]
+    return _to_e4m3(dequant_fp8_block(w_fp8, scale, block) / row_scale), row_scale
+
+
+FP8_TOKEN_SCALE_FLOOR = 1.0 / (E4M3_MAX * 512)
+"""The smallest per-token scale :func:`quant_fp8_tokens` gives (vLLM's dynamic FP8 quantisation uses the same), so an
+all-zero row quantises to zeros instead of dividing by zero."""
+
+
+def quant_fp8_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [M, K] -> (float8_e4m3fn [M, K], float32 [M, 1]): dynamic per-row (per-token) scaling,
+    scale = max(amax / 448, :data:`FP8_TOKEN_SCALE_FLOOR`), value = e4m3(x / scale) (RNE)."""
+    xf = x.to(torch.float32)
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / E4M3_MAX).clamp_min(FP8_TOKEN_SCALE_FLOOR)
+    return _to_e4m3(xf / scale), scale
+
+
 def _split_blocks(x: torch.Tensor, block: int, name: str) -> torch.Tensor:
     """float32 [..., D] -> [..., D/block, block] (D must be a multiple of block)."""
     d = x.shape[-1] if x.dim() else 0

@@ -152,6 +152,97 @@ def section_dense(tokens: list[int], iters: int) -> None:
         report(f"marlin moe T={T}", idx.unique().numel() * per_expert, total, per)
 
 
+def pow2_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [N, K] (FP8 values under 32x32 power-of-two tiles) -> (E4M3 [N, K], fp32 [N, 1]): one power-of-two
+    scale per output row, so each value only changes exponent (exact unless it falls below E4M3's normal range)."""
+    amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
+    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def section_w8a8(tokens: list[int], iters: int) -> None:
+    """FP8 x FP8 (W8A8) GEMMs from libraries against cuBLAS on the bf16 weights, at the bench's dense shapes: the
+    activations quantised on the fly (per token, or per 1x128 group), the 32x32-tiled weights re-scaled once per
+    output row or per 128x128 block (powers of two).  Kernel time includes the quantisation kernel; "err" is the
+    relative error against the fp32 product of the checkpoint's exact weights (the bf16 path's error is its
+    rounding of x and the weight to bf16)."""
+    import bench_gemm as bg
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
+
+    print("\nW8A8 dense GEMMs: bf16 cuBLAS vs vLLM CUTLASS FP8 (per-token x per-row; 1x128 x 128x128 blocks) vs "
+          "torch._scaled_mm per-token x per-row; MB = the weight bytes of the path")
+    bf = torch.bfloat16
+
+    for label, N, K, G in [(lb, n, k, 1) for lb, n, k in bg.SHAPES] + [("wo_a 8 groups", 8192, 4096, 8)]:
+        lin = bg.random_fp8_linear(N, K)
+        w = lin.dequantized().float()
+        del lin
+        w16 = w.to(bf)
+        wr, sr = pow2_rowwise(w)
+        wb, sb = bg.reblock_128(w) if G == 1 else (None, None)
+        copies = max(2, -(-256 * 2 ** 20 // (2 * N * K)))
+        sets = [(w16.clone(), wr.clone(), sr.clone(), None if wb is None else wb.clone(),
+                 None if sb is None else sb.clone()) for _ in range(copies)]
+        for M in tokens:
+            Kin = K
+            x = torch.randn(M, G * Kin, device="cuda").to(bf)
+            wg = w.view(G, N // G, Kin)
+            ref = torch.einsum("tgk,gok->tgo", x.float().view(M, G, Kin), wg).reshape(M, N)
+            paths = []
+            if G == 1:
+                paths.append(("bf16", lambda s: torch.nn.functional.linear(x, s[0]), 2 * N * K))
+                paths.append(("cutlass rowwise", lambda s: _rowwise_cutlass(ops, x, s[1], s[2]), N * K))
+                paths.append(("torch rowwise", lambda s: _rowwise_torch(ops, x, s[1], s[2]), N * K))
+
+                def block(s):
+                    q, sa = per_token_group_quant_fp8(x, 128, column_major_scales=True, use_ue8m0=True)
+                    return ops.cutlass_scaled_mm(q, s[3].t(), sa, s[4].t(), bf)
+                paths.append(("cutlass block128", block, N * K))
+            else:
+                xg = x.view(M, G, Kin)
+                paths.append(("bf16 einsum", lambda s: torch.einsum("tgk,gok->tgo", xg, s[0].view(G, N // G, Kin))
+                              .reshape(M, N), 2 * N * K))
+
+                def loop(s):
+                    q, sa = ops.scaled_fp8_quant(x.view(M * G, Kin), use_per_token_if_dynamic=True)
+                    q, sa = q.view(M, G, Kin), sa.view(M, G)
+                    wv, sv = s[1].view(G, N // G, Kin), s[2].view(G, N // G, 1)
+                    return torch.cat([ops.cutlass_scaled_mm(q[:, g], wv[g].t(), sa[:, g:g + 1].contiguous(), sv[g], bf)
+                                      for g in range(G)], 1)
+                paths.append(("cutlass rowwise x8", loop, N * K))
+
+                def grouped(s):
+                    q, sa = ops.scaled_fp8_quant(x.view(M * G, Kin), use_per_token_if_dynamic=True)
+                    qa = q.view(M, G, Kin).transpose(0, 1).contiguous()
+                    sa = sa.view(M, G).t().contiguous()
+                    wv = s[1].view(G, N // G, Kin).transpose(-2, -1)
+                    out = torch._scaled_grouped_mm(qa, wv, sa, s[2].view(G, N // G), out_dtype=bf)
+                    return out.transpose(0, 1).reshape(M, N)
+                paths.append(("torch scaled_grouped_mm", grouped, N * K))
+            for name, call, nbytes in paths:
+                try:
+                    err = bg.rel_err(call(sets[0]).reshape(M, N), ref)
+                    cycle = itertools.cycle(sets)
+                    total, per = kernel_us(lambda: call(next(cycle)), iters)
+                    report(f"{label} {N}x{K} M={M} {name} err={err:.1e}", nbytes, total, per)
+                except Exception as exc:
+                    print(f"{label} {N}x{K} M={M} {name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+            del x, ref
+        del sets, w, w16, wr, sr, wb, sb
+        torch.cuda.empty_cache()
+
+
+def _rowwise_cutlass(ops, x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor) -> torch.Tensor:
+    q, sa = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    return ops.cutlass_scaled_mm(q, wr.t(), sa, sr, torch.bfloat16)
+
+
+def _rowwise_torch(ops, x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor) -> torch.Tensor:
+    q, sa = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
+    return torch._scaled_mm(q, wr.t(), scale_a=sa, scale_b=sr.view(1, -1), out_dtype=torch.bfloat16)
+
+
 def routed_batch(T: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """bf16 x [T, H] large enough that the clamp bites, and a softmax top-k routing (idx, wts) over the bench
     experts (``bench_gemm``'s shapes)."""
@@ -429,6 +520,8 @@ def main() -> int:
             section_sparse_attn(a.tokens, a.prefill, a.iters)
         elif name == "dense":
             section_dense(a.tokens, a.iters)
+        elif name == "w8a8":
+            section_w8a8(a.tokens + a.prefill, a.iters)
         elif name == "moe_bf16":
             section_moe_bf16(a.prefill, a.iters)
         elif name == "moe_ogs":

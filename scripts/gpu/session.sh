@@ -10,6 +10,7 @@
 #   scripts/gpu/session.sh ogs_prefill     # matmul_ogs vs bf16_moe (and Marlin to 4k) at prefill sizes: 2k, 8k, 16k tokens
 #   scripts/gpu/session.sh ogs_flags       # the matmul_ogs MoE under triton_kernels opt-flag constraints, 64 tokens (decode)
 #   scripts/gpu/session.sh moe_bf16        # the prefill MoE (bf16_moe) under a sweep of fused-MoE tiles, 4k and 16k tokens
+#   scripts/gpu/session.sh w8a8            # W8A8 FP8 GEMMs from vLLM / torch vs bf16 cuBLAS at the dense shapes
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -79,6 +80,11 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 500 python3 kernel_times.py --only moe_bf16 --prefill 4096 16384 --iters 5) \
       > "$OUT/moe-bf16.log" 2>&1
     grep -vE "^(USDT|  )|Warning" "$OUT/moe-bf16.log" | cut -c1-200 | tail -30 ;;
+  w8a8)
+    # W8A8 dense GEMMs (vLLM CUTLASS FP8, torch._scaled_mm) vs bf16 cuBLAS, CUPTI kernel time, decode and prefill sizes
+    (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only w8a8 --tokens 1 16 64 --prefill 2048 16384 \
+      --iters 10) > "$OUT/w8a8.log" 2>&1
+    grep -vE "^(INFO|WARNING)" "$OUT/w8a8.log" | tail -80 | cut -c1-230 ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
@@ -99,5 +105,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | ogs_prefill | ogs_flags | moe_bf16 | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | ogs_prefill | ogs_flags | moe_bf16 | w8a8 | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac

@@ -83,6 +83,7 @@ def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
     monkeypatch.setattr(fp4, "prepare_moe_mxfp4_layer_for_marlin", _prepare_moe)
     monkeypatch.setattr(moe, "fused_marlin_moe", _fused_marlin_moe)
     monkeypatch.setattr(act, "silu_and_mul_with_clamp", _silu_and_mul_with_clamp)
+    monkeypatch.setattr(linear, "MARLIN_MOE_ALIGN", (1, 1))  # the stand-in has no tiles
     for mod in (linear, model):
         monkeypatch.setattr(mod, "on_fast_device", lambda t: True)
     monkeypatch.setattr(linear.WeightFormat, "choose", staticmethod(lambda exact: linear.WeightFormat(True, dtype, True)))
@@ -94,8 +95,8 @@ def _layout(m, dtype: torch.dtype) -> dict:
     attn = [layer.attn for layer in m.model.layers]
     ffn = [layer.ffn for layer in m.model.layers]
     live = [q for q in m.modules() if isinstance(q, linear.QuantLinear) and not getattr(q, "retired", False)]
-    gemms = {"bf16" if q.w16 is not None else "marlin" if q.marlin is not None else "fp8" if q.fp8_kept else "none"
-             for q in live}
+    gemms = {"bf16" if q.w16 is not None else "w8a8" if q.w8 is not None else "marlin" if q.marlin is not None
+             else "fp8" if q.fp8_kept else "none" for q in live}
     return {
         "cuda_fast": m.weights.cuda_fast,
         "dense gemm": gemms.pop() if len(gemms) == 1 else sorted(gemms),
@@ -119,12 +120,12 @@ def fast_layout(gemm: str, moe: str = "marlin") -> dict:
             "head": True}
 
 
-@pytest.mark.parametrize("gemm", ["bf16", "fp8"])
+@pytest.mark.parametrize("gemm", ["bf16", "fp8", "w8a8"])
 def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
     """bf16: the tiny model through the fast path's code, eager and as padded static decode steps: the
     layout is the fast one, every logit is finite, no op inside a static step reads a device value on the
-    host, and the static steps give the eager run's greedy tokens (dense GEMMs on bf16 weights, or on the kept
-    FP8 bytes through ``dsv41::fp8_gemm``)."""
+    host, and the static steps give the eager run's greedy tokens (dense GEMMs on bf16 weights, on the kept
+    FP8 bytes through ``dsv41::fp8_gemm``, or FP8 x FP8 with the grouped ``wo_a`` on bf16)."""
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, gemm)
     _emulate_fast_path(monkeypatch, torch.bfloat16)
     probe = probe_static_steps(monkeypatch)
@@ -136,7 +137,7 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
             layout = llm.apply_model(lambda m: _layout(m, torch.bfloat16))[0]
             outs = _generate(llm, prompts, logits=True)
             runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
-    assert layout == fast_layout(gemm), layout
+    assert layout == fast_layout(["bf16", "w8a8"] if gemm == "w8a8" else gemm), layout
     for tokens, logits in runs.values():
         assert all(len(t) == 8 for t in tokens) and all(torch.isfinite(lg).all() for lg in logits)
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"

@@ -69,6 +69,27 @@ def test_grouped_wo_a(T, dense_gemm):
     assert got.shape == (T, G, O) and err < REL_TOL
 
 
+@pytest.mark.parametrize("T", [1, 64, 2048])
+@pytest.mark.parametrize("N,K", [(1792, 5120), (32768, 1280), (5120, 8192)])
+def test_w8a8_linear(T, N, K, monkeypatch):
+    """``VLLM_DSV41_DENSE_GEMM=w8a8``: vLLM's per-token FP8 quantisation and CUTLASS GEMM against the same arithmetic
+    in fp32 on the GPU (``w8a8_gemm``'s reference: it differs by the summation order, the bf16 output, and an
+    activation byte where the two round a tie differently), and within FP8's rounding of the exact product."""
+    monkeypatch.setenv(DENSE_GEMM_ENV, "w8a8")
+    lin = _fp8_linear(N, K)
+    exact_w = lin.dequantized()
+    lin.finalize()
+    assert lin.w16 is None and lin.w8 is not None and torch.equal(lin.w8.float() * lin.w8_scale, exact_w)
+    x = torch.randn(T, K, device="cuda")
+    got = lin(x)
+    xb = x.to(torch.bfloat16)
+    q, sa = formats.quant_fp8_tokens(xb)
+    ref = (q.float() @ lin.w8.float().t()) * sa * lin.w8_scale.t()
+    err, err_exact = _rel(got, ref), _rel(got, xb.float() @ exact_w.t())
+    print(f"w8a8 linear T={T} N={N} K={K}: rel err {err:.2e} vs its fp32 reference, {err_exact:.2e} vs the exact product")
+    assert got.dtype == x.dtype and err < 5e-3 and err_exact < 4e-2
+
+
 def _random_experts(E: int, H: int, I: int) -> nn.ModuleList:
     experts = nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)

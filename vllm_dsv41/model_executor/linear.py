@@ -6,8 +6,10 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
   held in fp32 on the exact path and in bf16 on the fast path;
 * :class:`QuantLinear` - an FP8 E4M3 weight with 32x32 UE8M0 tiles.  Dequantised on arrival on
   the exact path; on the fast path the FP8 bytes and tiles are kept and, on CUDA, turned once after
-  loading into what ``VLLM_DSV41_DENSE_GEMM`` (:func:`dense_gemm_backend`) names: ``bf16`` (default:
-  the dequantised weight in bf16, exact since E4M3 x 2^k fits bf16, through cuBLAS), ``marlin``
+  loading into what ``VLLM_DSV41_DENSE_GEMM`` (:func:`dense_gemm_backend`) names: ``w8a8`` (default: FP8 x FP8
+  through vLLM's CUTLASS GEMM, the weight under one power-of-two scale per row, the activations quantised per token
+  on the fly; grouped layers as ``bf16``), ``bf16`` (the dequantised weight in bf16, exact since E4M3 x 2^k fits
+  bf16, through cuBLAS), ``marlin``
   (vLLM's Marlin W8A16 MXFP8 GEMM; a 32x32 tile is 32 rows of one 1x32 MX scale, so the repack is
   exact) or ``fp8`` (the bytes and tiles kept for our ``dsv41::fp8_gemm`` at decode sizes); on CPU the fast
   path dequantises per call (the reference);
@@ -63,14 +65,22 @@ def weights_mode(exact: bool, on_cuda: bool) -> str:
     return v
 
 
+DEFAULT_DENSE_GEMM = "w8a8"
+"""Why (docs/benchmarks.md, session 14): vLLM's CUTLASS FP8 GEMM (per-token x per-row scales, the quantisation kernel
+included) took 0.65-0.72x cuBLAS's bf16 time on wq_b, wo_b and the shared w1+w3 at 64 rows and 0.6-0.8x on every
+ungrouped shape at 2k-16k rows; the grouped wo_a is faster on bf16.  FP8 activations are the checkpoint's own
+``activation_scheme: dynamic``; they cost ~2.7e-2 relative error per GEMM on random data against ~1.7e-3 for bf16."""
+
+
 def dense_gemm_backend() -> str:
-    """``VLLM_DSV41_DENSE_GEMM``: how the fast CUDA path runs the FP8 dense weights - ``bf16`` (default;
-    dequantised once, cuBLAS), ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory) or
+    """``VLLM_DSV41_DENSE_GEMM``: how the fast CUDA path runs the FP8 dense weights - ``w8a8`` (default,
+    :data:`DEFAULT_DENSE_GEMM`; :func:`w8a8_gemm`: FP8 activations per token x the FP8 weight per row, vLLM's CUTLASS
+    kernel; the grouped ``wo_a`` stays on bf16), ``bf16`` (dequantised once, cuBLAS), ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory) or
     ``fp8`` (the FP8 bytes kept: ``dsv41::fp8_gemm`` up to its ``MAX_M`` tokens, a per-call bf16 dequantisation
     and cuBLAS above; not yet measured on the H200)."""
-    v = os.environ.get(DENSE_GEMM_ENV, "bf16").strip().lower() or "bf16"
-    if v not in ("bf16", "marlin", "fp8"):
-        raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16, marlin or fp8")
+    v = os.environ.get(DENSE_GEMM_ENV, DEFAULT_DENSE_GEMM).strip().lower() or DEFAULT_DENSE_GEMM
+    if v not in ("bf16", "w8a8", "marlin", "fp8"):
+        raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16, w8a8, marlin or fp8")
     return v
 
 
@@ -86,24 +96,33 @@ def moe_backend() -> str:
 
 OGS_ALIGN = 256
 """``auto`` takes ``matmul_ogs`` for experts whose hidden and intermediate sizes are multiples of this (the bench and
-full widths, 5120 and 2304; the sizes its Hopper layouts were measured at), Marlin for others (the tiny test
-model's 64 x 32)."""
+full widths, 5120 and 2304; the sizes its Hopper layouts were measured at), Marlin for others."""
+
+MARLIN_MOE_ALIGN = (128, 64)
+"""(hidden, intermediate) multiples Marlin's MoE kernel tiles (vLLM's own check for MXFP4 MoE layers); narrower
+experts (the tiny test model's 64 x 32) make its launch fail with "Invalid thread config" once a batch is large."""
 
 
 def resolve_moe_backend(backend: str, hidden: int, inter: int) -> str:
     """``auto`` -> ``ogs`` where ``matmul_ogs`` imports and the expert shape aligns (:data:`OGS_ALIGN`), else
-    ``marlin``.  Why ogs: on the H200 it took 271 against Marlin's 298 µs for a batch-64 layer, 3.7 against Marlin's
-    6.9 ms (and bf16_moe's 4.6 ms) at 4,096 tokens; Marlin is 5 µs faster at one token (docs/benchmarks.md,
-    session 11).  Other values pass through."""
+    ``marlin`` where Marlin tiles the shape (:data:`MARLIN_MOE_ALIGN`), else ``loop`` (the expert loop over weights
+    dequantised per call: slow, but any width).  Why ogs: on the H200 it took 271 against Marlin's 298 µs for a
+    batch-64 layer, 3.7 against Marlin's 6.9 ms (and bf16_moe's 4.6 ms) at 4,096 tokens; Marlin is 5 µs faster at one
+    token (docs/benchmarks.md, session 11).  An explicit ``marlin`` on a shape it cannot tile is an error naming the
+    widths; other values pass through."""
+    marlin_fits = hidden % MARLIN_MOE_ALIGN[0] == 0 and inter % MARLIN_MOE_ALIGN[1] == 0
+    if backend == "marlin" and not marlin_fits:
+        raise ValueError(f"{MOE_ENV}=marlin: experts of hidden size {hidden} and intermediate size {inter} are not "
+                         f"multiples of Marlin's tiles {MARLIN_MOE_ALIGN}; use auto")
     if backend != "auto":
         return backend
-    if hidden % OGS_ALIGN or inter % OGS_ALIGN:
-        return "marlin"
-    try:
-        _require_matmul_ogs()
-    except (ImportError, RuntimeError):
-        return "marlin"
-    return "ogs"
+    if not (hidden % OGS_ALIGN or inter % OGS_ALIGN):
+        try:
+            _require_matmul_ogs()
+            return "ogs"
+        except (ImportError, RuntimeError):
+            pass
+    return "marlin" if marlin_fits else "loop"
 
 
 @functools.cache
@@ -170,6 +189,21 @@ def fused_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     out = torch.empty_like(x)
     _custom_ops.rms_norm(out, x, w.to(x.dtype), eps)
     return out
+
+
+def w8a8_gemm(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (bf16) @ (w8 [N, K] E4M3 x w_scale [N, 1] fp32).T -> [M, N] in x's dtype, the activations quantised to
+    E4M3 per token on the fly (:func:`formats.quant_fp8_tokens`).  On CUDA vLLM's dynamic per-token quantisation and
+    its CUTLASS FP8 GEMM; elsewhere the same arithmetic in fp32 (the reference the GPU test compares with)."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, w8.shape[0])
+    if x.is_cuda:
+        from vllm import _custom_ops as vllm_ops
+
+        q, sa = vllm_ops.scaled_fp8_quant(x.contiguous(), use_per_token_if_dynamic=True)
+        return vllm_ops.cutlass_scaled_mm(q, w8.t(), sa, w_scale, x.dtype)
+    q, sa = formats.quant_fp8_tokens(x)
+    return ((q.float() @ w8.float().t()) * sa * w_scale.t()).to(x.dtype)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -263,6 +297,8 @@ class QuantLinear(nn.Module):
         self.marlin_all: tuple[torch.Tensor, torch.Tensor] | None = None  # all rows (grouped layers)
         self.w16: torch.Tensor | None = None  # the dequantised weight [N, K] in FAST_GEMM_DTYPE (cuBLAS)
         self.fp8_kept = False  # ``fp8`` backend: weight and scale stay as loaded, dsv41::fp8_gemm reads them
+        self.w8: torch.Tensor | None = None  # ``w8a8``: the weight in E4M3 [N, K] under one scale per row ...
+        self.w8_scale: torch.Tensor | None = None  # ... fp32 [N, 1] (formats.fp8_block_to_rows)
         if not quant:
             self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float32))
             return
@@ -281,7 +317,11 @@ class QuantLinear(nn.Module):
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         backend = dense_gemm_backend()
-        if backend == "bf16":
+        if backend == "w8a8" and self.groups == 1:
+            self.w8, self.w8_scale = formats.fp8_block_to_rows(self.weight.data, self.scale.data.view(E8M0))
+            del self.weight, self.scale
+            return
+        if backend in ("bf16", "w8a8"):  # grouped layers stay on bf16 under w8a8 (one batched GEMM, measured faster)
             self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
             del self.weight, self.scale
             return
@@ -335,6 +375,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
         G = self.groups
+        if self.w8 is not None:
+            return w8a8_gemm(x.to(FAST_GEMM_DTYPE), self.w8, self.w8_scale).to(x.dtype)
         if self.fp8_kept:
             return self._fp8_forward(x)
         if self.w16 is not None:

@@ -530,6 +530,9 @@ class MoE(nn.Module):
         if self.experts[0].quant and on_fast_device(self.gate.weight):
             inter, half_hidden = self.experts[0].w1.weight.shape  # packed MXFP4: two values a byte
             backend = resolve_moe_backend(moe_backend(), 2 * half_hidden, inter)
+            if backend == "loop":  # widths no fused kernel tiles: the experts stay, dequantised per call
+                log_moe_choice(backend, 0)
+                return
             self.bf16_from = moe_bf16_from(backend)
             log_moe_choice(backend, self.bf16_from)
             if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
