@@ -175,6 +175,17 @@ def test_kept_step_meta_is_the_kept_rows_as_a_step():
     static.load(k, static.input_ids, 0)
     assert static.group("swa").slot_mapping.tolist() == g.runner_slots.tolist()
     assert static.positions.tolist() == k.positions.tolist() and static.max_position == 1023
+    assert not static.gathers_when_static
+    with pytest.raises(RuntimeError, match="without a bound on its rows per request"):
+        static.gather_bounds(3, 32, 2, 16)
+
+    # as the decoder graphs make it: at most 3 kept rows a request (the window), so the bounds hold for any step of
+    # the bucket: 4 requests x ((3 + 3 - 2) // 32 + 2) SWA blocks + the padded rows' one; 4 x 1024 // 2 / 16 entries
+    static = StaticStep(k, torch.device("cpu"), context=1024, rows_per_request=3)
+    assert static.gathers_when_static and static.gather_bounds(3, 32, 2, 16) == (9, 128)
+    assert static.gather_bounds(3, 32, 0, 16)[1] == 0
+    eager_swa, eager_comp = step.gather_bounds(3, 32, 2, 16)  # the eager step's own, from its spans
+    assert eager_swa <= 9 and eager_comp <= 128
 
 
 def test_graph_capture_plumbing(monkeypatch, caplog):
@@ -198,7 +209,7 @@ def test_graph_capture_plumbing(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
     for cls in (graphs.DecodeGraphs, graphs.DecoderGraphs):
-        gs = cls(lambda *a: None, 8, 1024)
+        gs = cls(lambda *a: None, 8, 1024, *([128] if cls is graphs.DecoderGraphs else []))
         step = SimpleNamespace(scratch={"stale": 1})
         seen = []
         got = gs._capture(step, lambda: seen.append(dict(step.scratch)) or torch.ones(2))

@@ -400,17 +400,29 @@ def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
     assert worst < 1e-2
 
 
-def test_prefill_decoder_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch):
+@pytest.mark.parametrize("attn", ["sparse_attn", "gathered"])
+def test_prefill_decoder_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch, attn):
     """``VLLM_DSV41_PREFILL_GRAPHS=static``: the decoder layers of pruned prefill steps run as the padded static step
     over their kept rows that CUDA captures (``graphs.DecoderGraphs``, ``kept_step_meta``), without capture.
     Default mode (decoder rows pruned, then a replayed prefix hit): the tokens equal the pruned reference and the
     eager run's, the logits the eager run's to fp32 summation order; the static decoder steps read nothing back on
-    the host (what capture needs) and the keys are the buckets of the steps' shapes."""
+    the host (what capture needs) and the keys are the buckets of the steps' shapes.  ``gathered``: attention through
+    the gathered-keys path (FlashMLA's route, its CPU stand-in) in every step, the static decoder steps included,
+    whose gather plans take the bucket's bounds (``StaticStep.gather_bounds``): every plan's bound holds."""
     from vllm_dsv41.model_executor import graphs
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
 
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
-    probe, run = _HostReads(), graphs.DecoderGraphs.run
-    seen = []
+    probe, run = (_HostReads() if attn == "sparse_attn" else _CudaPathHostReads()), graphs.DecoderGraphs.run
+    seen, plans, make_plan = [], [], sag.gather_plan
+    if attn == "gathered":
+        def plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks=None):
+            plans.append((graphs.in_static_step(), count_touched(slots, bstep), max_blocks))
+            return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
+
+        monkeypatch.setattr(sag, "gather_plan", plan)
+        monkeypatch.setattr(sag, "applies", lambda q, rows: True)
+        monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
 
     def run_probed(self, meta, kept, *a, **k):
         decoder = self.run_decoder
@@ -456,3 +468,8 @@ def test_prefill_decoder_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypat
     print(f"static decoder steps of {len(seen)} prefill steps, keys {sorted({k for *_, k in seen})}: "
           f"|logit difference| to eager {worst:.2e}")
     assert worst < 1e-2  # fp32 summation order over padded rows; a padding fault moves logits by far more
+    if attn == "gathered":
+        static_plans = [(t, b) for st, t, b in plans if st]
+        assert static_plans and all(b is not None and t <= b for _, t, b in plans), plans
+        print(f"{len(static_plans)} gather plans in static decoder steps, blocks touched / bound: "
+              f"{sum(t for t, _ in static_plans)} / {sum(b for _, b in static_plans)}")

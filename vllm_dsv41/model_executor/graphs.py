@@ -208,10 +208,15 @@ class StaticStep(Step):
     """A :class:`Step` whose device tensors are fixed buffers (refilled by :meth:`load`) and whose
     host-side bound on positions is the graph's context bucket."""
 
-    def __init__(self, meta: DSV41StepMetadata, device: torch.device, context: int):
+    def __init__(self, meta: DSV41StepMetadata, device: torch.device, context: int,
+                 rows_per_request: int | None = None):
         super().__init__(meta, torch.zeros(meta.num_tokens, dtype=torch.long, device=device), device=device,
                          use_ops=True)
         self.context = context
+        # the most rows any request has in the steps this one stands for (the decoder's kept rows: the window);
+        # known, it bounds the blocks a gather plan can touch (gather_bounds), so attention may gather keys here
+        self.rows_per_request = rows_per_request
+        self.gathers_when_static = rows_per_request is not None
         for key, t in self._fields(meta).items():
             self._dev[key] = t.to(device=device, dtype=torch.int64).clone()
         self._views: dict[str, GroupView] = {}
@@ -235,6 +240,20 @@ class StaticStep(Step):
 
     def needs_pruning(self, window: int) -> bool:
         return False
+
+    def gather_bounds(self, window: int, swa_rows_per_block: int, ratio: int, comp_rows_per_block: int
+                      ) -> tuple[int, int]:
+        """Bounds that hold for every step loaded into this one (a captured graph bakes them in): each of the
+        bucket's requests has at most :attr:`rows_per_request` rows, so its rows' windows span at most
+        ``rows_per_request + window - 1`` positions (at most ``(span - 1) // rows_per_block + 2`` blocks), plus one
+        block for the padded rows (position 0 of request 0); it sees at most ``context // ratio`` compressed
+        entries, in blocks of its own."""
+        if self.rows_per_request is None:
+            raise RuntimeError("gather_bounds: a static step without a bound on its rows per request")
+        B, span = self.meta.num_reqs, self.rows_per_request + window - 1
+        swa = B * ((span - 1) // swa_rows_per_block + 2) + 1
+        comp = B * -(-(self.context // ratio) // comp_rows_per_block) if ratio else 0
+        return swa, comp
 
     def group(self, layer_name: str) -> GroupView:
         return self._views[layer_name]
@@ -354,10 +373,11 @@ class DecoderGraphs(_GraphSet):
 
     def __init__(self, run_decoder: Callable[[Step, torch.Tensor, torch.Tensor, dict],
                                              tuple[torch.Tensor, torch.Tensor]],
-                 max_rows: int, max_context: int):
+                 max_rows: int, max_context: int, window: int):
         super().__init__(max_context)
         self.run_decoder = run_decoder
         self.max_rows = max_rows
+        self.window = window  # a request's kept rows: at most its last ``window`` (model.kept_rows_host)
 
     def key(self, meta: DSV41StepMetadata, n_kept: int) -> tuple[int, int, int]:
         return _pow2_at_least(meta.num_reqs), _pow2_at_least(n_kept, MIN_KEPT_ROWS), self._context(meta)
@@ -383,7 +403,7 @@ class DecoderGraphs(_GraphSet):
             self._load(step, kmeta, bufs, inputs)
             graph.replay()
             return S_out[:n], pre_out[:n]
-        step = StaticStep(kmeta, device, ctx)
+        step = StaticStep(kmeta, device, ctx, rows_per_request=self.window)
         bufs = {k: t.new_full((R, *t.shape[1:]), self._padding(k)) for k, t in inputs.items()}
         self._load(step, kmeta, bufs, inputs)
 

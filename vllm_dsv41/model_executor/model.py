@@ -385,7 +385,7 @@ class Attention(nn.Module):
                 lambda: step.group(src.comp_cache.prefix).slots_of(
                     req, step.scratch[("topk_ids", plan.index_source)], src.comp_cache.flat_rows()[1:]))
             comp_cache = src.comp_cache.flat_rows()[0]
-        if not in_static_step() and sparse_attn_gathered.applies(q, q.shape[0]):
+        if (not in_static_step() or step.gathers_when_static) and sparse_attn_gathered.applies(q, q.shape[0]):
             try:
                 return self._attend_gathered(step, q, pos, req, floors, src, comp_slots)
             except torch.OutOfMemoryError:
@@ -405,16 +405,21 @@ class Attention(nn.Module):
         the default where it applies, ``VLLM_DSV41_PREFILL_ATTN=sparse_attn`` switches it off).  The gather plans
         are made once per slot list and step: the SWA one is shared by the layers of a group over the same rows (the
         step's own, or the decoder's pruned ones), the compressed one by the consumers of a selection; their sizes come
-        from host-side bounds (no host read), or with ``VLLM_DSV41_PLAN_READBACK=1`` from ``nonzero``."""
+        from host-side bounds (no host read; inside a static decoder step the bucket's, ``StaticStep.gather_bounds``), or
+        with ``VLLM_DSV41_PLAN_READBACK=1`` from ``nonzero`` (eager steps only)."""
         plan = self.plan
         swa_flat, bstep, rstep = self.swa_cache.flat_rows()
         swa_slots = self._swa_slots(step, pos, req, floors)
-        first, last = step.request_spans  # host bounds on the blocks the lists can touch: plans without a host read
-        bounded = not sparse_attn_gathered.read_back()
+        bounded = in_static_step() or not sparse_attn_gathered.read_back()
         e = self.swa_cache.rows_per_block
+        ratio = src.plan.compress_ratio if src is not None else 0
+        ec = src.comp_cache.rows_per_block if src is not None else 1
+        swa_bound, comp_bound = step.once(("gather_bounds", e, ratio, ec),
+                                          lambda: step.gather_bounds(self.cfg.sliding_window, e, ratio, ec))
+
         def swa_plan_of():
-            bound = sparse_attn_gathered.swa_block_bound(first, last, self.cfg.sliding_window, e) if bounded else None
-            return sparse_attn_gathered.gather_plan(swa_slots, bstep, rstep, e, swa_flat.shape[0], bound)
+            return sparse_attn_gathered.gather_plan(swa_slots, bstep, rstep, e, swa_flat.shape[0],
+                                                    swa_bound if bounded else None)
 
         # one plan per slot list (step-held: _swa_slots shares it by group, geometry and row set) and cache size
         swa_plan = step.once(("gather_swa", id(swa_slots), swa_flat.shape[0]), swa_plan_of)
@@ -422,12 +427,9 @@ class Attention(nn.Module):
         if src is not None:
             comp_flat, cb, cr = src.comp_cache.flat_rows()
             comp_steps = (cb, cr)
-            ec = src.comp_cache.rows_per_block
             comp_plan = step.once(("gather_comp", plan.index_source, plan.kv_source),
                                   lambda: sparse_attn_gathered.gather_plan(
-                                      comp_slots, cb, cr, ec, comp_flat.shape[0],
-                                      sparse_attn_gathered.entry_block_bound(last, src.plan.compress_ratio, ec)
-                                      if bounded else None))
+                                      comp_slots, cb, cr, ec, comp_flat.shape[0], comp_bound if bounded else None))
         return sparse_attn_gathered.sparse_attn_gathered(
             q, swa_flat, swa_plan, (bstep, rstep), comp_flat, comp_plan, comp_steps, self.attn_sink,
             self.cfg.head_dim ** -0.5, pos, self.inv_freq)
@@ -903,7 +905,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             mc, sc = self.vllm_config.model_config, self.vllm_config.scheduler_config
             max_rows = self.cfg.sliding_window * min(sc.max_num_seqs, 512)
             m.decoder_graphs = DecoderGraphs(functools.partial(_run_decoder, m), max_rows=max_rows,
-                                             max_context=mc.max_model_len)
+                                             max_context=mc.max_model_len, window=self.cfg.sliding_window)
             m.decoder_graph_mode = mode
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

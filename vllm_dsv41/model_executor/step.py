@@ -183,6 +183,21 @@ class Step:
         last = torch.where(has, p[(qsl[1:] - 1).clamp(min=0)], -1)
         return first, last
 
+    #: Whether attention may take the gathered-keys path (``ops.sparse_attn_gathered``) in this step when it runs
+    #: as a static step (no host read allowed: its plans need static bounds, :meth:`gather_bounds`).
+    gathers_when_static = False
+
+    def gather_bounds(self, window: int, swa_rows_per_block: int, ratio: int, comp_rows_per_block: int
+                      ) -> tuple[int, int]:
+        """Host bounds on the SWA and compressed cache blocks this step's attention lists can touch (so the gather
+        plans are made without a host read): from the requests' position spans (:attr:`request_spans`); the
+        compressed bound is 0 for ``ratio`` 0."""
+        from vllm_dsv41.ops.sparse_attn_gathered import entry_block_bound, swa_block_bound
+
+        first, last = self.request_spans
+        swa = swa_block_bound(first, last, window, swa_rows_per_block)
+        return swa, entry_block_bound(last, ratio, comp_rows_per_block) if ratio else 0
+
     def needs_pruning(self, window: int) -> bool:
         """Decoder pruning pays off only when some request brings more than ``window`` rows."""
         return bool((self.meta.query_lens > window).any())
