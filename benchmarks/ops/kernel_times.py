@@ -208,7 +208,7 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
                     q, sa = ops.scaled_fp8_quant(x.view(M * G, Kin), use_per_token_if_dynamic=True)
                     q, sa = q.view(M, G, Kin), sa.view(M, G)
                     wv, sv = s[1].view(G, N // G, Kin), s[2].view(G, N // G, 1)
-                    return torch.cat([ops.cutlass_scaled_mm(q[:, g], wv[g].t(), sa[:, g:g + 1].contiguous(), sv[g], bf)
+                    return torch.cat([ops.cutlass_scaled_mm(q[:, g].contiguous(), wv[g].t(), sa[:, g:g + 1].contiguous(), sv[g], bf)
                                       for g in range(G)], 1)
                 paths.append(("cutlass rowwise x8", loop, N * K))
 
