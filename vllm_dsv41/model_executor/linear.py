@@ -74,10 +74,10 @@ ungrouped shape at 2k-16k rows; the grouped wo_a is faster on bf16.  FP8 activat
 
 def dense_gemm_backend() -> str:
     """``VLLM_DSV41_DENSE_GEMM``: how the fast CUDA path runs the FP8 dense weights - ``w8a8`` (default,
-    :data:`DEFAULT_DENSE_GEMM`; :func:`w8a8_gemm`: FP8 activations per token x the FP8 weight per row, vLLM's CUTLASS
-    kernel; the grouped ``wo_a`` stays on bf16), ``bf16`` (dequantised once, cuBLAS), ``marlin`` (vLLM's MXFP8 Marlin GEMM on the FP8 bytes, half the memory) or
-    ``fp8`` (the FP8 bytes kept: ``dsv41::fp8_gemm`` up to its ``MAX_M`` tokens, a per-call bf16 dequantisation
-    and cuBLAS above; not yet measured on the H200)."""
+    :data:`DEFAULT_DENSE_GEMM`; :func:`w8a8_gemm`: FP8 activations per token x the FP8 weight per row, vLLM's
+    CUTLASS kernel; the grouped ``wo_a`` stays on bf16), ``bf16`` (dequantised once, cuBLAS), ``marlin`` (vLLM's
+    MXFP8 Marlin GEMM on the FP8 bytes) or ``fp8`` (the FP8 bytes kept: ``dsv41::fp8_gemm`` up to its ``MAX_M``
+    tokens, a per-call bf16 dequantisation and cuBLAS above; measured slower than cuBLAS, session 10)."""
     v = os.environ.get(DENSE_GEMM_ENV, DEFAULT_DENSE_GEMM).strip().lower() or DEFAULT_DENSE_GEMM
     if v not in ("bf16", "w8a8", "marlin", "fp8"):
         raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16, w8a8, marlin or fp8")

@@ -388,10 +388,11 @@ class Attention(nn.Module):
         if (not in_static_step() or step.gathers_when_static) and sparse_attn_gathered.applies(q, q.shape[0]):
             try:
                 return self._attend_gathered(step, q, pos, req, floors, src, comp_slots)
-            except torch.OutOfMemoryError:
-                pass  # no room for this step's bf16 keys: this step only, through the records
             except Exception as exc:  # noqa: BLE001 - a kernel that refuses the step: serve it the other way
-                sparse_attn_gathered.switch_off(exc)
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise  # a failed capture leaves those steps eager (graphs._GraphSet._capture), the path on
+                if not isinstance(exc, torch.OutOfMemoryError):  # no room for the bf16 keys: this step only
+                    sparse_attn_gathered.switch_off(exc)
         # prefill rows of short contexts: the kernel skips their key tiles of -1 (not inside a captured step,
         # whose launch is replayed for any context)
         skip = not in_static_step() and skip_empty_pays(q.shape[0], step.max_position, cfg.topk_fill_context)
