@@ -225,3 +225,39 @@ def test_graph_capture_plumbing(monkeypatch, caplog):
             assert gs._capture(step, unsafe) is None
         assert gs.failed.startswith("RuntimeError") and gs.entries == {}
         assert f"capture of {cls.what} failed" in caplog.text
+
+
+def test_kept_row_buckets():
+    """Decoder-graph row buckets: powers of two from 256 to 1,024, then multiples of 256 (a mixed 16k step's ~2,070
+    kept rows take 2,304, not 4,096); every bucket holds its rows."""
+    from vllm_dsv41.model_executor.graphs import kept_row_bucket
+
+    assert [kept_row_bucket(n) for n in (1, 256, 257, 600, 1024, 1025, 2048, 2070, 8191)] == [
+        256, 256, 512, 1024, 1024, 1280, 2048, 2304, 8192]
+    assert all(n <= kept_row_bucket(n) < n + 1024 for n in range(1, 9000, 7))
+
+
+def test_decoder_graphs_capture_at_most_max_buckets(monkeypatch):
+    """Past ``MAX_DECODER_GRAPHS`` captured buckets a new bucket's decoder steps run eagerly (the same answer) and
+    nothing more is captured; below it the step is captured."""
+    from vllm_dsv41.model_executor import graphs
+
+    step = _step([0, 6, 7, 12], [0, 40, 10], [[-1] * 3] * 3, list(range(12)))
+    kept = torch.tensor([3, 4, 5, 6, 9, 10, 11])
+    captured = []
+    monkeypatch.setattr(graphs._GraphSet, "_capture",
+                        lambda self, st, fn: captured.append(st) or ("graph", fn()))
+
+    def decoder(st, S, pre, carry):
+        return S * 2, pre + 1
+
+    S, pre = torch.randn(7, 4, 8), torch.randn(7, 4)
+    for full in (False, True):
+        gs = graphs.DecoderGraphs(decoder, max_rows=64, max_context=1024, window=3)
+        if full:
+            gs.entries = {("other", i): None for i in range(graphs.MAX_DECODER_GRAPHS)}
+        captured.clear()
+        S_out, pre_out = gs.run(step.meta, kept, kept, S, pre, {}, torch.device("cpu"))
+        assert torch.equal(S_out, S * 2) and torch.equal(pre_out, pre + 1)
+        assert len(captured) == (0 if full else 1)
+        assert len(gs.entries) == graphs.MAX_DECODER_GRAPHS if full else list(gs.entries) == [gs.key(step.meta, 7)]

@@ -47,6 +47,12 @@ GRAPH_ENV = "VLLM_DSV41_CUDAGRAPH"
 PREFILL_GRAPH_ENV = "VLLM_DSV41_PREFILL_GRAPHS"
 MIN_CONTEXT = 1024
 MIN_KEPT_ROWS = 256  # smallest row bucket of the decoder graphs
+MAX_DECODER_GRAPHS = 24
+"""Most (request, row, context) buckets the decoder graphs capture; steps of further buckets run eagerly."""
+KEPT_ROW_STEP = 256
+"""Above 1,024 kept rows the decoder graphs' row buckets are multiples of this, not powers of two: a 16k prefill
+chunk of the batch-64 workload keeps ~2,070 rows (15-16 requests' last 128 plus the decode rows of a mixed step),
+which a power-of-two bucket pads to 4,096 (session 14: ~27 ms of padded MoE and GEMM work a step)."""
 
 
 _IN_STATIC_STEP = False
@@ -91,6 +97,14 @@ def prefill_graph_mode(device: torch.device, use_ops: bool) -> str:
     """``capture``, ``static`` or ``off`` for the decoder layers of prefill steps (``VLLM_DSV41_PREFILL_GRAPHS``:
     ``0`` by default, ``1`` or ``static``; see the module docstring)."""
     return _env_mode(PREFILL_GRAPH_ENV, "0", ("1", "true", "on", "yes"), "0, 1 or static", device, use_ops)
+
+
+def kept_row_bucket(n: int) -> int:
+    """The row bucket of ``n`` kept rows: a power of two from :data:`MIN_KEPT_ROWS` to 1,024, then the next multiple
+    of :data:`KEPT_ROW_STEP`."""
+    if n <= 1024:
+        return _pow2_at_least(n, MIN_KEPT_ROWS)
+    return -(-n // KEPT_ROW_STEP) * KEPT_ROW_STEP
 
 
 def _pow2_at_least(n: int, lo: int = 1) -> int:
@@ -380,7 +394,7 @@ class DecoderGraphs(_GraphSet):
         self.window = window  # a request's kept rows: at most its last ``window`` (model.kept_rows_host)
 
     def key(self, meta: DSV41StepMetadata, n_kept: int) -> tuple[int, int, int]:
-        return _pow2_at_least(meta.num_reqs), _pow2_at_least(n_kept, MIN_KEPT_ROWS), self._context(meta)
+        return _pow2_at_least(meta.num_reqs), kept_row_bucket(n_kept), self._context(meta)
 
     def accepts(self, meta: DSV41StepMetadata, n_kept: int) -> bool:
         return 0 < n_kept <= self.max_rows and meta.num_reqs > 0 and self._fits(meta)
@@ -412,7 +426,8 @@ class DecoderGraphs(_GraphSet):
 
         with _static_step():
             S_eager, pre_eager = decoder()  # this step's answer, and the warm-up before capture
-        got = self._capture(step, decoder) if capture else None
+        # past MAX_DECODER_GRAPHS captured buckets, new ones run eagerly (each keeps its activations' memory)
+        got = self._capture(step, decoder) if capture and len(self.entries) < MAX_DECODER_GRAPHS else None
         if got is not None:
             graph, outs = got
             self.entries[key] = (step, graph, bufs, outs)
