@@ -52,7 +52,8 @@ MAX_DECODER_GRAPHS = 24
 KEPT_ROW_STEP = 256
 """Above 1,024 kept rows the decoder graphs' row buckets are multiples of this, not powers of two: a 16k prefill
 chunk of the batch-64 workload keeps ~2,070 rows (15-16 requests' last 128 plus the decode rows of a mixed step),
-which a power-of-two bucket pads to 4,096 (session 14: ~27 ms of padded MoE and GEMM work a step)."""
+which a power-of-two bucket pads to 4,096 (session 14: the likely source of ~27 ms more MoE and GEMM work a step,
+inferred from the kernel totals)."""
 
 
 _IN_STATIC_STEP = False
