@@ -1,6 +1,7 @@
 """The weight-holding layers of ``model_executor/linear.py`` on CPU (the GPU side: tests/gpu/test_marlin_weights.py)."""
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -372,3 +373,31 @@ def test_moe_too_narrow_for_fused_kernels_keeps_the_expert_loop(tiny_ckpt, monke
     idx, wts = model.route(x, moe.gate.weight, moe.gate.bias, moe.k, moe.scale)
     want = linear.loop_moe(x, moe.experts, idx, wts, moe.limit)
     torch.testing.assert_close(moe(x) - moe.shared_experts(x), want)
+
+
+def test_w8a8_falls_back_to_bf16_without_fp8_tensor_cores(monkeypatch):
+    """On a CUDA device below compute capability 8.9 (no FP8 tensor cores: e.g. an A100) the default ``w8a8`` keeps the
+    bf16 weights instead of failing at the first forward, and says so once; 8.9 and 9.0 take ``w8a8``."""
+    monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA A100")
+    records = []  # on the module's logger itself (vLLM's logging setup may stop records reaching caplog)
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    linear.logger.addHandler(handler)
+    try:
+        for cap, want in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
+            linear._log_w8a8_fallback.cache_clear()
+            records.clear()
+            assert linear.w8a8_supported(cuda) is want
+            assert any("no FP8 tensor cores" in r.getMessage() for r in records) is not want
+    finally:
+        linear.logger.removeHandler(handler)
+    assert linear.w8a8_supported(torch.device("cpu"))
+
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    monkeypatch.setattr(linear, "w8a8_supported", lambda device: False)
+    lin, ref = _fp8_layer(1, torch.Generator().manual_seed(4))
+    lin.finalize()
+    assert lin.w8 is None and torch.equal(lin.w16, ref.to(torch.bfloat16))

@@ -191,6 +191,23 @@ def fused_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor
     return out
 
 
+def w8a8_supported(device: torch.device) -> bool:
+    """Whether ``w8a8`` runs on ``device``: FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper and
+    later); elsewhere the fast path keeps ``bf16`` (said once in the log).  Off CUDA (the CPU reference) always."""
+    if device.type != "cuda":
+        return True
+    ok = torch.cuda.get_device_capability(device) >= (8, 9)
+    if not ok:
+        _log_w8a8_fallback(torch.cuda.get_device_name(device))
+    return ok
+
+
+@functools.cache
+def _log_w8a8_fallback(name: str) -> None:
+    logger.warning("vllm-dsv41: %s has no FP8 tensor cores; the FP8 dense weights run as bf16 (%s=bf16)", name,
+                   DENSE_GEMM_ENV)
+
+
 def w8a8_gemm(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] (bf16) @ (w8 [N, K] E4M3 x w_scale [N, 1] fp32).T -> [M, N] in x's dtype, the activations quantised to
     E4M3 per token on the fly (:func:`formats.quant_fp8_tokens`).  On CUDA vLLM's dynamic per-token quantisation and
@@ -317,6 +334,8 @@ class QuantLinear(nn.Module):
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         backend = dense_gemm_backend()
+        if backend == "w8a8" and not w8a8_supported(self.weight.device):
+            backend = "bf16"
         if backend == "w8a8" and self.groups == 1:
             self.w8, self.w8_scale = formats.fp8_block_to_rows(self.weight.data, self.scale.data.view(E8M0))
             del self.weight, self.scale
