@@ -152,14 +152,6 @@ def section_dense(tokens: list[int], iters: int) -> None:
         report(f"marlin moe T={T}", idx.unique().numel() * per_expert, total, per)
 
 
-def pow2_rowwise(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [N, K] (FP8 values under 32x32 power-of-two tiles) -> (E4M3 [N, K], fp32 [N, 1]): one power-of-two
-    scale per output row, so each value only changes exponent (exact unless it falls below E4M3's normal range)."""
-    amax = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-    scale = torch.exp2(torch.ceil(torch.log2(amax / 448.0)))
-    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
-
-
 def section_w8a8(tokens: list[int], iters: int) -> None:
     """FP8 x FP8 (W8A8) GEMMs from libraries against cuBLAS on the bf16 weights, at the bench's dense shapes: the
     activations quantised on the fly (per token, or per 1x128 group), the 32x32-tiled weights re-scaled once per
@@ -170,6 +162,9 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.quantization.utils.fp8_utils import per_token_group_quant_fp8
 
+    from vllm_dsv41 import formats
+    from vllm_dsv41.model_executor import linear
+
     print("\nW8A8 dense GEMMs: bf16 cuBLAS vs vLLM CUTLASS FP8 (per-token x per-row; 1x128 x 128x128 blocks) vs "
           "torch._scaled_mm per-token x per-row; MB = the weight bytes of the path")
     bf = torch.bfloat16
@@ -177,9 +172,9 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
     for label, N, K, G in [(lb, n, k, 1) for lb, n, k in bg.SHAPES] + [("wo_a 8 groups", 8192, 4096, 8)]:
         lin = bg.random_fp8_linear(N, K)
         w = lin.dequantized().float()
+        wr, sr = formats.fp8_block_to_rows(lin.weight.data, lin.scale.data)  # what the model's w8a8 layers hold
         del lin
         w16 = w.to(bf)
-        wr, sr = pow2_rowwise(w)
         wb, sb = bg.reblock_128(w) if G == 1 else (None, None)
         copies = max(2, -(-256 * 2 ** 20 // (2 * N * K)))
         sets = [(w16.clone(), wr.clone(), sr.clone(), None if wb is None else wb.clone(),
@@ -192,7 +187,7 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
             paths = []
             if G == 1:
                 paths.append(("bf16", lambda s: torch.nn.functional.linear(x, s[0]), 2 * N * K))
-                paths.append(("cutlass rowwise", lambda s: _rowwise_cutlass(ops, x, s[1], s[2]), N * K))
+                paths.append(("cutlass rowwise", lambda s: linear.w8a8_gemm(x, s[1], s[2]), N * K))
                 paths.append(("torch rowwise", lambda s: _rowwise_torch(ops, x, s[1], s[2]), N * K))
 
                 def block(s):
@@ -231,11 +226,6 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
             del x, ref
         del sets, w, w16, wr, sr, wb, sb
         torch.cuda.empty_cache()
-
-
-def _rowwise_cutlass(ops, x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor) -> torch.Tensor:
-    q, sa = ops.scaled_fp8_quant(x, use_per_token_if_dynamic=True)
-    return ops.cutlass_scaled_mm(q, wr.t(), sa, sr, torch.bfloat16)
 
 
 def _rowwise_torch(ops, x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor) -> torch.Tensor:

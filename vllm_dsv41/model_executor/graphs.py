@@ -231,7 +231,6 @@ class StaticStep(Step):
         # the most rows any request has in the steps this one stands for (the decoder's kept rows: the window);
         # known, it bounds the blocks a gather plan can touch (gather_bounds), so attention may gather keys here
         self.rows_per_request = rows_per_request
-        self.gathers_when_static = rows_per_request is not None
         for key, t in self._fields(meta).items():
             self._dev[key] = t.to(device=device, dtype=torch.int64).clone()
         self._views: dict[str, GroupView] = {}
@@ -255,6 +254,10 @@ class StaticStep(Step):
 
     def needs_pruning(self, window: int) -> bool:
         return False
+
+    @property
+    def gathers_when_static(self) -> bool:
+        return self.rows_per_request is not None
 
     def gather_bounds(self, window: int, swa_rows_per_block: int, ratio: int, comp_rows_per_block: int
                       ) -> tuple[int, int]:

@@ -416,11 +416,11 @@ class Attention(nn.Module):
         ratio = src.plan.compress_ratio if src is not None else 0
         ec = src.comp_cache.rows_per_block if src is not None else 1
         swa_bound, comp_bound = step.once(("gather_bounds", e, ratio, ec),
-                                          lambda: step.gather_bounds(self.cfg.sliding_window, e, ratio, ec))
+                                          lambda: step.gather_bounds(self.cfg.sliding_window, e, ratio, ec)
+                                          ) if bounded else (None, None)
 
         def swa_plan_of():
-            return sparse_attn_gathered.gather_plan(swa_slots, bstep, rstep, e, swa_flat.shape[0],
-                                                    swa_bound if bounded else None)
+            return sparse_attn_gathered.gather_plan(swa_slots, bstep, rstep, e, swa_flat.shape[0], swa_bound)
 
         # one plan per slot list (step-held: _swa_slots shares it by group, geometry and row set) and cache size
         swa_plan = step.once(("gather_swa", id(swa_slots), swa_flat.shape[0]), swa_plan_of)
@@ -430,7 +430,7 @@ class Attention(nn.Module):
             comp_steps = (cb, cr)
             comp_plan = step.once(("gather_comp", plan.index_source, plan.kv_source),
                                   lambda: sparse_attn_gathered.gather_plan(
-                                      comp_slots, cb, cr, ec, comp_flat.shape[0], comp_bound if bounded else None))
+                                      comp_slots, cb, cr, ec, comp_flat.shape[0], comp_bound))
         return sparse_attn_gathered.sparse_attn_gathered(
             q, swa_flat, swa_plan, (bstep, rstep), comp_flat, comp_plan, comp_steps, self.attn_sink,
             self.cfg.head_dim ** -0.5, pos, self.inv_freq)
