@@ -294,6 +294,7 @@ def test_moe_takes_the_ogs_path_in_and_out_of_static_steps(monkeypatch):
     monkeypatch.setattr(m, "on_fast_device", lambda t: True)
     monkeypatch.setenv(linear.MOE_ENV, "ogs")
     monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "0")
+    monkeypatch.setenv(linear.MOE_FP8_FROM_ENV, "0")
     monkeypatch.setattr(m, "ogs_expert_stack", linear.mxfp4_expert_stack)
     calls = []
     monkeypatch.setattr(m, "ogs_moe", _recording_reference(calls))
@@ -303,6 +304,85 @@ def test_moe_takes_the_ogs_path_in_and_out_of_static_steps(monkeypatch):
     _assert_expert_loop(m, moe, experts, 3)
     _assert_expert_loop(m, moe, experts, 4, static=True)
     assert calls == [3, 4]
+
+
+def test_moe_fp8_from_env(monkeypatch):
+    monkeypatch.delenv(linear.MOE_FP8_FROM_ENV, raising=False)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert linear.moe_fp8_from(cpu) == linear.DEFAULT_MOE_FP8_FROM == 4096
+    monkeypatch.setattr(linear, "w8a8_supported", lambda d: False)  # no FP8 tensor cores: off unless asked
+    assert linear.moe_fp8_from(gpu) == 0
+    monkeypatch.setenv(linear.MOE_FP8_FROM_ENV, "16384")
+    assert linear.moe_fp8_from(gpu) == 16384
+    monkeypatch.setenv(linear.MOE_FP8_FROM_ENV, "0")
+    assert linear.moe_fp8_from(cpu) == 0
+    for bad in ("-2", "lots"):
+        monkeypatch.setenv(linear.MOE_FP8_FROM_ENV, bad)
+        with pytest.raises(ValueError, match=f"VLLM_DSV41_MOE_FP8_FROM='{bad}'"):
+            linear.moe_fp8_from(cpu)
+
+
+def test_moe_takes_the_fp8_path_from_the_threshold(monkeypatch):
+    """With ``VLLM_DSV41_MOE_FP8_FROM`` set (ogs decode backend, stand-ins on CPU) ``finalize`` keeps the MXFP4 stack
+    and its per-row exponents, and a forward of at least that many tokens outside static steps runs ``fp8_moe`` (here
+    recorded: it must get the stack's rows, and computes the exact MXFP4 reference) before any bf16 threshold; smaller
+    ones and static steps keep the decode backend."""
+    from vllm_dsv41.model_executor import model as m
+
+    monkeypatch.setattr(m, "on_fast_device", lambda t: True)
+    monkeypatch.setenv(linear.MOE_ENV, "ogs")
+    monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "8")
+    monkeypatch.setenv(linear.MOE_FP8_FROM_ENV, "8")
+    monkeypatch.setattr(m, "ogs_expert_stack", linear.mxfp4_expert_stack)
+    ogs_calls, fp8_calls, bf16_calls = [], [], []
+    monkeypatch.setattr(m, "ogs_moe", _recording_reference(ogs_calls))
+    monkeypatch.setattr(m, "bf16_moe", _recording_reference(bf16_calls))
+    moe, experts = _cpu_moe(m)
+
+    def fp8_stand_in(x, stack, rows, idx, wts, limit):
+        want = linear.fp8_row_exponents(stack)
+        assert all(torch.equal(a, b) for a, b in zip(rows, want))
+        return _recording_reference(fp8_calls)(x, stack, idx, wts, limit)
+
+    monkeypatch.setattr(m, "fp8_moe", fp8_stand_in)
+    moe.finalize()
+    assert moe.fp8_from == 8 and moe.mxfp4 is not None and moe.fp8_rows is not None
+    for T in (3, 8, 20):
+        _assert_expert_loop(m, moe, experts, T)
+    _assert_expert_loop(m, moe, experts, 12, static=True)
+    assert fp8_calls == [8, 20] and ogs_calls == [3, 12] and bf16_calls == []
+
+
+def test_fp8_moe_reference_is_the_expert_loop_to_fp8_precision():
+    """``fp8_moe``'s arithmetic (FP8 weights under per-row scales, per-token FP8 activations) against the fp32 loop
+    over the dequantised experts: the activations' E4M3 rounding, as the W8A8 dense GEMMs (~3e-2)."""
+    from vllm_dsv41.model_executor import model as m
+
+    moe, experts = _cpu_moe(m, H=128, I=64, E=6, k=3)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(5))
+    idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, moe.k, 1.0)
+    want = linear.loop_moe(x, experts, idx, wts, 2.0)
+    got = linear.fp8_moe_ref(x, linear.mxfp4_expert_stack(experts), idx, wts, 2.0)
+    err = ((got - want).norm() / want.norm()).item()
+    assert 1e-3 < err < 6e-2, err  # FP8 rounding is there, and only that
+
+
+def test_beside_runs_both_in_order_off_cuda(monkeypatch):
+    """Off CUDA (and with ``VLLM_DSV41_OVERLAP_ROWS=0``) :func:`overlap.beside` runs the side callable first, then the
+    main one, and returns (main, side); the row limit comes from the environment, a bad one is named."""
+    from vllm_dsv41.model_executor import overlap
+
+    order = []
+    x = torch.zeros(4, 2)
+    got = overlap.beside(x, lambda: order.append("side") or 1, lambda: order.append("main") or 2)
+    assert got == (2, 1) and order == ["side", "main"] and overlap.side_stream_for(x) is None
+    monkeypatch.delenv(overlap.OVERLAP_ROWS_ENV, raising=False)
+    assert overlap.overlap_rows() == overlap.DEFAULT_OVERLAP_ROWS
+    monkeypatch.setenv(overlap.OVERLAP_ROWS_ENV, "0")
+    assert overlap.overlap_rows() == 0
+    monkeypatch.setenv(overlap.OVERLAP_ROWS_ENV, "x")
+    with pytest.raises(ValueError, match="VLLM_DSV41_OVERLAP_ROWS='x'"):
+        overlap.overlap_rows()
 
 
 def test_bf16_moe_takes_our_tiles_where_vllm_has_no_tuned_file(monkeypatch):
@@ -401,3 +481,18 @@ def test_w8a8_falls_back_to_bf16_without_fp8_tensor_cores(monkeypatch):
     lin, ref = _fp8_layer(1, torch.Generator().manual_seed(4))
     lin.finalize()
     assert lin.w8 is None and torch.equal(lin.w16, ref.to(torch.bfloat16))
+
+
+def test_stream_dtype(monkeypatch):
+    """The mHC residual streams: the fast path's activation dtype (bf16) by default, fp32 elsewhere (the reference,
+    exact mode) and with ``VLLM_DSV41_STREAMS=fp32``; a bad value is named."""
+    from vllm_dsv41.model_executor.model import STREAMS_ENV, stream_dtype
+
+    fast, plain = linear.WeightFormat(True, torch.bfloat16, True), linear.WeightFormat(False, torch.float32)
+    monkeypatch.delenv(STREAMS_ENV, raising=False)
+    assert stream_dtype(fast) == torch.bfloat16 and stream_dtype(plain) == torch.float32
+    monkeypatch.setenv(STREAMS_ENV, "fp32")
+    assert stream_dtype(fast) == torch.float32
+    monkeypatch.setenv(STREAMS_ENV, "bf16")
+    with pytest.raises(ValueError, match="VLLM_DSV41_STREAMS='bf16': expected auto or fp32"):
+        stream_dtype(fast)

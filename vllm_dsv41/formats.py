@@ -349,6 +349,31 @@ def dequant_mxfp4(
     return g.reshape(vals.shape).to(dtype)
 
 
+MXFP4_FP8_HEADROOM = 6
+"""Binades an MXFP4 row gains when it becomes FP8 under one per-row scale (:func:`mxfp4_to_fp8_rows`): the row's
+largest E2M1 value (6 x its largest block scale) lands on 6 x 2**6 = 384 <= 448, so values of blocks up to
+6 + 8 binades below the row's largest block stay exact (E4M3's subnormals reach 2**-9)."""
+
+
+def mxfp4_row_exponents(scale: torch.Tensor) -> torch.Tensor:
+    """UE8M0 block scales [..., out, in/32] -> int32 [..., out]: each row's largest scale byte."""
+    return as_uint8(scale).amax(dim=-1).to(torch.int32)
+
+
+def mxfp4_fp8_row_scale(row_exp: torch.Tensor) -> torch.Tensor:
+    """Row exponents (:func:`mxfp4_row_exponents`) -> float32 per-row scales 2**(e - 127 - headroom)."""
+    return torch.exp2(row_exp.to(torch.float64) - 127 - MXFP4_FP8_HEADROOM).to(torch.float32)
+
+
+def mxfp4_to_fp8_rows(packed: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP4 (packed E2M1 [..., out, in/2], UE8M0 [..., out, in/32]) -> (float8_e4m3fn [..., out, in], float32
+    [..., out]) with value = fp8 x row scale: one power of two per row (:data:`MXFP4_FP8_HEADROOM`), for FP8 GEMMs
+    that take per-row weight scales.  Exact except for values of blocks more than 14 binades below the row's
+    largest (rounded, RNE)."""
+    row_scale = mxfp4_fp8_row_scale(mxfp4_row_exponents(scale))
+    return _to_e4m3(dequant_mxfp4(packed, scale) / row_scale.unsqueeze(-1)), row_scale
+
+
 def quant_fp8_rowblock(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows [..., D] -> (float8_e4m3fn [..., D], float8_e8m0fnu [..., D/block]) (Engram tables).
 

@@ -13,10 +13,11 @@ at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``tr
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
 ``ogs_flags`` (that MoE under triton_kernels' opt-flag constraints at ``--tokens`` and ``--prefill``),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
+``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, under a tile sweep against ``matmul_ogs`` at the ``--prefill`` sizes),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
-for all but ``dense``, ``moe_ogs``, ``ogs_flags`` and ``moe_bf16``.  Not collected by pytest.
+for all but ``dense``, ``moe_ogs``, ``ogs_flags``, ``moe_bf16`` and ``moe_fp8``.  Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -258,8 +259,11 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
         paths.insert(0, ("ogs", linear.ogs_moe, linear.ogs_expert_stack(experts)))
     except Exception as exc:
         print(f"moe_ogs: no ogs stack: {type(exc).__name__}: {str(exc)[:200]}")
-    if max(tokens) >= 1024:  # the prefill path it would replace
-        paths.append(("bf16_moe", linear.bf16_moe, linear.mxfp4_expert_stack(experts)))
+    if max(tokens) >= 1024:  # the prefill paths
+        mx = linear.mxfp4_expert_stack(experts)
+        paths.append(("bf16_moe", linear.bf16_moe, mx))
+        rows = linear.fp8_row_exponents(mx)
+        paths.append(("fp8_moe", lambda x, st, i, w, lim: linear.fp8_moe(x, st, rows, i, w, lim), mx))
     per_expert = 3 * bg.H * bg.I // 2 + 3 * bg.H * bg.I // 32
     print(f"\nmatmul_ogs MoE vs Marlin MoE (and bf16_moe from 1,024 tokens): E={bg.E} top-{bg.TOPK} H={bg.H} "
           f"I={bg.I}; MB = the MXFP4 weights and scales of the experts hit, read once")
@@ -269,7 +273,7 @@ def section_moe_ogs(tokens: list[int], iters: int) -> None:
         nbytes = idx.unique().numel() * per_expert
         errs = []
         for name, fn, stack in paths:
-            if (name == "bf16_moe" and T < 1024) or (name == "marlin" and T > 4096):
+            if (name in ("bf16_moe", "fp8_moe") and T < 1024) or (name == "marlin" and T > 4096):
                 continue
             try:
                 total, per = kernel_us(lambda: fn(x, stack, idx, wts, limit), iters)
@@ -337,6 +341,45 @@ def section_ogs_flags(tokens: list[int], iters: int) -> None:
 #: the first is vLLM's default for a large batch and no tuned file
 BF16_MOE_SWEEP = ((128, 128, 64, 16, 8, 3), (128, 256, 64, 16, 8, 3), (128, 256, 64, 1, 8, 4), (128, 128, 64, 1, 4, 4),
                   (64, 256, 64, 16, 8, 3), (128, 128, 128, 16, 8, 3), (256, 128, 64, 16, 8, 3), (64, 128, 64, 1, 4, 4))
+
+
+FP8_MOE_SWEEP = ((128, 256, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4), (128, 256, 128, 16, 8, 3),
+                 (64, 256, 128, 1, 8, 4), (128, 128, 256, 1, 8, 3), (256, 128, 128, 1, 8, 3))
+"""(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) tried by ``--only moe_fp8``; the first is ``FP8_MOE_TILES``."""
+
+
+def section_moe_fp8(tokens: list[int], iters: int) -> None:
+    """The FP8 prefill MoE (``linear.fp8_moe``) under the tile sweep ``FP8_MOE_SWEEP`` against ``matmul_ogs`` at
+    prefill sizes; TFLOP/s counts the two GEMMs' products."""
+    import bench_gemm as bg
+
+    from vllm_dsv41.model_executor import linear
+
+    experts = bg.random_experts()
+    stack = linear.mxfp4_expert_stack(experts)
+    rows = linear.fp8_row_exponents(stack)
+    ogs = linear.ogs_expert_stack(experts)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"\nFP8 fused MoE (prefill path) tiles vs matmul_ogs: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
+    for T in tokens:
+        x, idx, wts = routed_batch(T, g)
+        flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
+        ref = linear.ogs_moe(x, ogs, idx, wts, 10.0).float()
+        total, per = kernel_us(lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters)
+        print(f"{'moe_ogs T=' + str(T):<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
+        for bm, bn, bk, gm, nw, ns in FP8_MOE_SWEEP:
+            cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=nw, num_stages=ns)
+            name = f"moe_fp8 T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
+            try:
+                def run(c=cfg):
+                    return linear.fp8_moe(x, stack, rows, idx, wts, 10.0, config=c)
+                total, per = kernel_us(run, iters)
+                diff = (run().float() - ref).norm() / ref.norm()
+                top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
+                print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  "
+                      f"diff vs ogs {diff.item():.1e}  [{top}]", flush=True)
+            except Exception as exc:  # a tile that does not fit
+                print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
 
 
 def section_moe_bf16(tokens: list[int], iters: int) -> None:
@@ -514,6 +557,8 @@ def main() -> int:
             section_w8a8(a.tokens + a.prefill, a.iters)
         elif name == "moe_bf16":
             section_moe_bf16(a.prefill, a.iters)
+        elif name == "moe_fp8":
+            section_moe_fp8(a.prefill, a.iters)
         elif name == "moe_ogs":
             section_moe_ogs(sorted(set(a.tokens) | {512, 4096}), a.iters)
         elif name == "ogs_flags":

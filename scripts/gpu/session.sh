@@ -11,6 +11,7 @@
 #   scripts/gpu/session.sh ogs_flags       # the matmul_ogs MoE under triton_kernels opt-flag constraints, 64 tokens (decode)
 #   scripts/gpu/session.sh moe_bf16        # the prefill MoE (bf16_moe) under a sweep of fused-MoE tiles, 4k and 16k tokens
 #   scripts/gpu/session.sh w8a8            # W8A8 FP8 GEMMs from vLLM / torch vs bf16 cuBLAS at the dense shapes
+#   scripts/gpu/session.sh fp8moe          # the FP8 prefill MoE and the side stream: CUDA tests, then fp8_moe's tiles vs ogs
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -85,6 +86,15 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only w8a8 --tokens 1 16 64 --prefill 2048 16384 \
       --iters 10) > "$OUT/w8a8.log" 2>&1
     grep -vE "^(INFO|WARNING)" "$OUT/w8a8.log" | tail -80 | cut -c1-230 ;;
+  fp8moe)
+    # the FP8 prefill MoE and the side stream: their CUDA tests, then fp8_moe's tiles against matmul_ogs at prefill sizes
+    timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py -k "fp8_moe or beside" \
+      > "$OUT/fp8moe-tests.log" 2>&1
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/ops/test_dequant_mxfp4.py >> "$OUT/fp8moe-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error|rel err" "$OUT/fp8moe-tests.log" | tail -20
+    (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only moe_fp8 --prefill 2048 4096 16384 --iters 5) \
+      > "$OUT/moe-fp8.log" 2>&1
+    grep -vE "^(USDT|  |INFO|WARNING)|Warning" "$OUT/moe-fp8.log" | cut -c1-200 | tail -30 ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
@@ -105,5 +115,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | ogs_prefill | ogs_flags | moe_bf16 | w8a8 | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | ogs_prefill | ogs_flags | moe_bf16 | w8a8 | fp8moe | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
 esac

@@ -111,22 +111,30 @@ def _layout(m, dtype: torch.dtype) -> dict:
         "prefill bf16 stack": all(f.mxfp4 is not None and f.bf16_from == 2048 for f in ffn),
         "shared w13": all(f.shared_experts.w13 is not None for f in ffn),
         "head": m.head.weight.dtype == dtype,
+        "streams": str(m.stream_dtype).removeprefix("torch."),
     }
 
 
-def fast_layout(gemm: str, moe: str = "marlin") -> dict:
+def fast_layout(gemm: str, moe: str = "marlin", streams: str = "float32") -> dict:
     return {"cuda_fast": True, "dense gemm": gemm, "bf16 weights in dtype": True, "q_dtype": True, "wqkv_a fused": True,
             "wo_a all rows": True, "router weight in dtype": True, "experts stacked": True, "moe": moe, "prefill bf16 stack": True, "shared w13": True,
-            "head": True}
+            "head": True, "streams": streams}
 
 
-@pytest.mark.parametrize("gemm", ["bf16", "fp8", "w8a8"])
-def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
+@pytest.mark.parametrize("gemm,streams", [("bf16", "fp32"), ("fp8", "fp32"), ("w8a8", "fp32"), ("w8a8", "auto")])
+def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams):
     """bf16: the tiny model through the fast path's code, eager and as padded static decode steps: the
     layout is the fast one, every logit is finite, no op inside a static step reads a device value on the
     host, and the static steps give the eager run's greedy tokens (dense GEMMs on bf16 weights, on the kept
-    FP8 bytes through ``dsv41::fp8_gemm``, or FP8 x FP8 with the grouped ``wo_a`` on bf16)."""
+    FP8 bytes through ``dsv41::fp8_gemm``, or FP8 x FP8 with the grouped ``wo_a`` on bf16).
+
+    The token check runs on fp32 residual streams (``VLLM_DSV41_STREAMS=fp32``): with the default bf16 streams a
+    padded step's different row count moves the CPU GEMMs' fp32 sums by an ulp, which rounding the stream to bf16
+    sometimes turns into a different stream value that this random model amplifies into another token (5 of 9 prompts
+    kept their tokens when tried).  The default (``auto``: bf16 on the fast path) is run too, for its layout, finite
+    logits, no host reads and an equal (eager) prefill step."""
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, gemm)
+    monkeypatch.setenv("VLLM_DSV41_STREAMS", streams)
     _emulate_fast_path(monkeypatch, torch.bfloat16)
     probe = probe_static_steps(monkeypatch)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
@@ -137,7 +145,8 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
             layout = llm.apply_model(lambda m: _layout(m, torch.bfloat16))[0]
             outs = _generate(llm, prompts, logits=True)
             runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
-    assert layout == fast_layout(["bf16", "w8a8"] if gemm == "w8a8" else gemm), layout
+    assert layout == fast_layout(["bf16", "w8a8"] if gemm == "w8a8" else gemm,
+                                 streams="bfloat16" if streams == "auto" else "float32"), layout
     for tokens, logits in runs.values():
         assert all(len(t) == 8 for t in tokens) and all(torch.isfinite(lg).all() for lg in logits)
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
@@ -146,7 +155,8 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm):
     print(f"emulated fast path: static vs eager decode: {same}/{len(prompts)} prompts' tokens equal, "
           f"step-0 |logit difference| {worst:.2e}")
     assert worst == 0.0  # step 0 is the prefill, eager in both runs
-    assert same == len(prompts)
+    if streams == "fp32":
+        assert same == len(prompts)
 
 
 @pytest.mark.parametrize("gemm,moe", [("bf16", "marlin"), ("marlin", "marlin"), ("fp8", "marlin"), ("bf16", "triton")])

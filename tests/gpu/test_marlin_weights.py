@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from vllm_dsv41 import formats
-from vllm_dsv41.model_executor.linear import (DENSE_GEMM_ENV, Expert, QuantLinear, bf16_moe, loop_moe,
-                                              marlin_expert_stack, marlin_moe, mxfp4_expert_stack)
+from vllm_dsv41.model_executor.linear import (DENSE_GEMM_ENV, Expert, QuantLinear, bf16_moe, fp8_moe, fp8_moe_ref,
+                                              fp8_row_exponents, loop_moe, marlin_expert_stack, marlin_moe,
+                                              mxfp4_expert_stack)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -118,6 +119,60 @@ def test_bf16_moe(T):
     err = _rel(got, ref)
     print(f"bf16 moe (prefill path) T={T}: rel err {err:.2e}")
     assert got.dtype == x.dtype and err < REL_TOL
+
+
+@pytest.mark.parametrize("T", [1, 300, 4096])
+def test_fp8_moe(T):
+    """The FP8 prefill MoE (MXFP4 -> FP8 per-row, per-token FP8 activations, vLLM's FP8 fused-MoE GEMMs) against its
+    fp32 reference arithmetic (``fp8_moe_ref``: the kernels' part of the error) and the expert loop (the FP8
+    rounding of the activations, as the W8A8 dense GEMMs)."""
+    E, H, I, k, limit = 32, 5120, 2304, 6, 10.0
+    experts = _random_experts(E, H, I)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = (torch.randn(T, H, device="cuda", generator=g) * 2).to(torch.bfloat16)
+    idx = torch.rand(T, E, device="cuda", generator=g).argsort(1)[:, :k]
+    wts = torch.rand(T, k, device="cuda", generator=g)
+    stack = mxfp4_expert_stack(experts)
+    got = fp8_moe(x, stack, fp8_row_exponents(stack), idx, wts, limit)
+    same_math = fp8_moe_ref(x.float(), stack, idx, wts, limit)
+    exact = loop_moe(x.float(), experts, idx, wts, limit)
+    e_ref, e_exact = _rel(got, same_math), _rel(got, exact)
+    print(f"fp8 moe (prefill path) T={T}: rel err vs its fp32 arithmetic {e_ref:.2e}, vs the exact experts "
+          f"{e_exact:.2e}")
+    assert got.dtype == x.dtype and torch.isfinite(got).all()
+    assert e_ref < 1e-2 and e_exact < 6e-2
+
+
+def test_beside_overlaps_in_a_cuda_graph_and_matches_serial(monkeypatch):
+    """``overlap.beside`` on CUDA: the side work on the side stream, eager and captured in a CUDA graph, gives the
+    serial results bit for bit (the same kernels on the same inputs), and the graph replays on new inputs."""
+    from vllm_dsv41.model_executor import overlap
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    a = torch.randn(64, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    w1 = torch.randn(4096, 4096, device="cuda", generator=g, dtype=torch.bfloat16)
+    w2 = torch.randn(4096, 2048, device="cuda", generator=g, dtype=torch.bfloat16)
+
+    def run():
+        return overlap.beside(a, lambda: torch.relu(a @ w2), lambda: (a @ w1).sin() @ w1)
+
+    monkeypatch.setenv(overlap.OVERLAP_ROWS_ENV, "0")
+    serial = run()
+    monkeypatch.setenv(overlap.OVERLAP_ROWS_ENV, "1024")
+    assert overlap.side_stream_for(a) is not None
+    eager = run()
+    torch.cuda.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(serial, eager))
+    run()  # warm-up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    a.copy_(torch.randn(64, 4096, device="cuda", generator=g, dtype=torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    monkeypatch.setenv(overlap.OVERLAP_ROWS_ENV, "0")
+    want = run()
+    assert all(torch.equal(p, q) for p, q in zip(captured, want))
 
 
 @pytest.mark.parametrize("T", [1, 7, 64, 512])

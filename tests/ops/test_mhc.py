@@ -256,19 +256,22 @@ def test_cuda_fused_stream_is_bitwise_post(T):
 
 
 @requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("op", ["pre", "post_pre"])
-def test_cuda_projection_in_kernel_or_gemm(op):
-    """Both places of the projection (the kernel's MMA below ``gemm_from()`` rows, cuBLAS from there) against the
-    reference on the model's fp32 streams, and the fused stream bitwise equal either way."""
+def test_cuda_projection_in_kernel_or_gemm(op, dtype):
+    """Both places of the projection (the kernel's MMA below ``gemm_from()`` rows, cuBLAS from there: an fp32 GEMM
+    on fp32 streams, a bf16 GEMM with fp32 output over fn's hi + lo split on bf16 streams) against the reference, and
+    the fused stream bitwise equal either way."""
     T = 1500
-    t = make_inputs(T, 4, 5120, torch.float32, seed=T, device="cuda")
+    t = make_inputs(T, 4, 5120, dtype, seed=T, device="cuda")
     args = {"pre": pre_args, "post_pre": post_pre_args}[op](t)
     fn = {"pre": mhc._mhc_pre_triton, "post_pre": mhc._mhc_post_pre_triton}[op]
     ref = {"pre": mhc.mhc_pre_ref, "post_pre": mhc.mhc_post_pre_ref}[op](*args)
     got = {p: fn(*args, config={"project": p}) for p in (True, False)}
     for p, outs in got.items():
         for i, (a, b) in enumerate(zip(ref, outs, strict=True)):
-            assert_close(f"mhc_{op} fp32 T={T} project={p} out{i}", a, b, ratio=1e-4)
+            assert_close(f"mhc_{op} {dtype} T={T} project={p} out{i}", a, b,
+                         ratio=1e-4 if dtype == torch.float32 else _ratio(a.dtype))
     if op == "post_pre":
         assert torch.equal(got[True][0], got[False][0])
 

@@ -51,6 +51,7 @@ WEIGHTS_ENV = "VLLM_DSV41_WEIGHTS"
 DENSE_GEMM_ENV = "VLLM_DSV41_DENSE_GEMM"
 MOE_ENV = "VLLM_DSV41_MOE"
 MOE_BF16_FROM_ENV = "VLLM_DSV41_MOE_BF16_FROM"
+MOE_FP8_FROM_ENV = "VLLM_DSV41_MOE_FP8_FROM"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -126,10 +127,11 @@ def resolve_moe_backend(backend: str, hidden: int, inter: int) -> str:
 
 
 @functools.cache
-def log_moe_choice(backend: str, bf16_from: int) -> None:
+def log_moe_choice(backend: str, bf16_from: int, fp8_from: int = 0) -> None:
     """Say once per process which routed-expert path the fast path took (benchmark logs record it)."""
-    logger.info("vllm-dsv41: routed experts through %s%s", backend,
-                f", bf16_moe from {bf16_from} tokens" if bf16_from else "")
+    logger.info("vllm-dsv41: routed experts through %s%s%s", backend,
+                f", bf16_moe from {bf16_from} tokens" if bf16_from else "",
+                f", fp8_moe from {fp8_from} tokens" if fp8_from else "")
 
 
 def moe_bf16_from(backend: str = "marlin") -> int:
@@ -146,6 +148,27 @@ def moe_bf16_from(backend: str = "marlin") -> int:
         n = -1
     if n < 0:
         raise ValueError(f"{MOE_BF16_FROM_ENV}={v!r}: expected a token count >= 0 (0: never)")
+    return n
+
+
+DEFAULT_MOE_FP8_FROM = 4096
+"""Default of ``VLLM_DSV41_MOE_FP8_FROM`` where FP8 tensor cores exist: a prefill pass of 16k tokens runs its encoder
+layers' experts on 16k rows and its decoder layers' on ~2k (batch 64 of 1k prompts); the FP8 path pays one pass over
+the layer's experts per call (MXFP4 -> FP8), which many rows amortise."""
+
+
+def moe_fp8_from(device: torch.device) -> int:
+    """``VLLM_DSV41_MOE_FP8_FROM``: forward passes of at least this many tokens run the routed experts in FP8
+    (:func:`fp8_moe`); 0 turns that off.  Default :data:`DEFAULT_MOE_FP8_FROM` on GPUs with FP8 tensor cores
+    (:func:`w8a8_supported`), else 0."""
+    default = str(DEFAULT_MOE_FP8_FROM) if device.type != "cuda" or w8a8_supported(device) else "0"
+    v = os.environ.get(MOE_FP8_FROM_ENV, default).strip() or default
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{MOE_FP8_FROM_ENV}={v!r}: expected a token count >= 0 (0: never)")
     return n
 
 
@@ -621,6 +644,102 @@ def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor
     dispatch_fused_moe_kernel(act, w2, y, None, None, None, wts, mul_routed_weight=True, top_k=1, **gemm)
     out = torch.empty(T, H, dtype=FAST_GEMM_DTYPE, device=x.device)
     vops.moe_sum(y, out)
+    return out.to(x.dtype)
+
+
+_FP8_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _fp8_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pair of FP8 expert buffers per shape and device, shared by every layer (they run one at a time)."""
+    E, N, K2 = w13.shape
+    H, I2 = w2.shape[1:]
+    key = (E, N, K2, H, I2, w13.device)
+    if key not in _FP8_SCRATCH:
+        _FP8_SCRATCH[key] = (torch.empty(E, N, 2 * K2, dtype=torch.float8_e4m3fn, device=w13.device),
+                             torch.empty(E, H, 2 * I2, dtype=torch.float8_e4m3fn, device=w13.device))
+    return _FP8_SCRATCH[key]
+
+
+def fp8_row_exponents(stack: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                 torch.Tensor]:
+    """For :func:`fp8_moe`, once at load: (w13 row exponents int32 [E, 2I], w13 row scales fp32 [E, 2I], the same
+    for w2 [E, H]) of an MXFP4 stack (:func:`mxfp4_expert_stack`; ``formats.mxfp4_row_exponents``)."""
+    _, s13, _, s2 = stack
+    e13, e2 = formats.mxfp4_row_exponents(s13).contiguous(), formats.mxfp4_row_exponents(s2).contiguous()
+    return e13, formats.mxfp4_fp8_row_scale(e13), e2, formats.mxfp4_fp8_row_scale(e2)
+
+
+FP8_MOE_TILES = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=8, num_stages=3)
+""":func:`fp8_moe`'s fused-MoE tiles (vLLM ships no tuned FP8 file for 32 experts of 2304): bf16_moe's measured
+tiles with 128-wide K steps (an FP8 MMA takes K = 32 per instruction; 128 bytes a row per step, as bf16's 64)."""
+
+
+def fp8_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...], idx: torch.Tensor,
+            wts: torch.Tensor, limit: float, config: dict | None = None) -> torch.Tensor:
+    """Routed experts in FP8 for a large batch (prefill): the MXFP4 stack (:func:`mxfp4_expert_stack`) turned into
+    FP8 under one power of two per row (``dsv41::dequant_mxfp4_fp8``; ``rows`` = :func:`fp8_row_exponents`), the
+    activations quantised per token (vLLM's dynamic FP8 quantisation, as ``w8a8_gemm``), then vLLM's Triton
+    fused-MoE GEMMs with per-token x per-channel scales and the clamped SwiGLU between them.  x [T, H], idx [T, k],
+    wts [T, k] -> [T, H] (x's dtype).  CUDA only (the CPU reference of its arithmetic is :func:`fp8_moe_ref`)."""
+    import triton.language as tl
+    from vllm import _custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.activation import (ApplyMoEActivationConfig, MoEActivation,
+                                                                apply_moe_activation)
+    from vllm.model_executor.layers.fused_moe.fused_moe import dispatch_fused_moe_kernel
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    from vllm_dsv41.ops import dequant_mxfp4  # noqa: F401
+
+    w13q, s13, w2q, s2 = stack
+    e13, r13, e2, r2 = rows
+    w13, w2 = _fp8_scratch(w13q, w2q)
+    torch.ops.dsv41.dequant_mxfp4_fp8(w13q, s13, e13, w13)
+    torch.ops.dsv41.dequant_mxfp4_fp8(w2q, s2, e2, w2)
+    a, a_scale = vops.scaled_fp8_quant(x.to(FAST_GEMM_DTYPE).contiguous(), use_per_token_if_dynamic=True)
+    T, k = idx.shape
+    E, N, _ = w13.shape
+    H = w2.shape[1]
+    idx = idx.to(torch.int32).contiguous()
+    wts = wts.float().contiguous()
+    config = dict(config) if config else dict(FP8_MOE_TILES)
+    sorted_ids, expert_ids, n_padded = moe_align_block_size(idx, config["BLOCK_SIZE_M"], E)
+    gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=n_padded,
+                config=config, compute_type=tl.bfloat16, use_fp8_w8a8=True, use_int8_w8a8=False,
+                use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=True)
+    h = torch.empty(T, k, N, dtype=FAST_GEMM_DTYPE, device=x.device)
+    dispatch_fused_moe_kernel(a, w13, h, a_scale, r13, None, wts, mul_routed_weight=False, top_k=k, **gemm)
+    act = torch.empty(T * k, N // 2, dtype=FAST_GEMM_DTYPE, device=x.device)
+    apply_moe_activation(MoEActivation.SILU, act, h.view(-1, N),
+                         activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
+    act_q, act_scale = vops.scaled_fp8_quant(act, use_per_token_if_dynamic=True)
+    y = torch.empty(T, k, H, dtype=FAST_GEMM_DTYPE, device=x.device)
+    dispatch_fused_moe_kernel(act_q, w2, y, act_scale, r2, None, wts, mul_routed_weight=True, top_k=1, **gemm)
+    out = torch.empty(T, H, dtype=FAST_GEMM_DTYPE, device=x.device)
+    vops.moe_sum(y, out)
+    return out.to(x.dtype)
+
+
+def fp8_moe_ref(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,
+                limit: float) -> torch.Tensor:
+    """:func:`fp8_moe`'s arithmetic in fp32 (any device): FP8 weights under per-row scales
+    (``formats.mxfp4_to_fp8_rows``), activations quantised per token before each GEMM, the clamped SwiGLU in fp32, a
+    loop over the experts hit.  The GPU test's reference for the kernels' part of the error."""
+    from vllm_dsv41.reference.model import clamped_swiglu_act
+
+    w13q, s13, w2q, s2 = stack
+    w13, r13 = formats.mxfp4_to_fp8_rows(w13q, s13)
+    w2, r2 = formats.mxfp4_to_fp8_rows(w2q, s2)
+    I = w13.shape[1] // 2
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for e in idx.unique().tolist():
+        t, slot = (idx == e).nonzero(as_tuple=True)
+        q, sa = formats.quant_fp8_tokens(x[t].float())
+        h = (q.float() @ w13[e].float().t()) * sa * r13[e]
+        act = clamped_swiglu_act(h[:, :I], h[:, I:], limit)
+        q2, sa2 = formats.quant_fp8_tokens(act)
+        y = (q2.float() @ w2[e].float().t()) * sa2 * r2[e]
+        out.index_add_(0, t, y * wts[t, slot].float()[:, None])
     return out.to(x.dtype)
 
 

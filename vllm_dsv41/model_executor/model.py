@@ -39,12 +39,14 @@ from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step, host_to_device
-from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fuse_rows_on_cuda,
+from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fp8_moe,
+                                              fp8_row_exponents, fuse_rows_on_cuda,
                                               fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
-                                              masked_moe, moe_backend, moe_bf16_from, mxfp4_expert_stack,
+                                              masked_moe, moe_backend, moe_bf16_from, moe_fp8_from, mxfp4_expert_stack,
                                               ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, graph_mode, in_static_step,
                                               prefill_graph_mode)
+from vllm_dsv41.model_executor.overlap import beside
 from vllm_dsv41.model_executor.step import Step
 from vllm_dsv41.ops import mhc as mhc_op
 from vllm_dsv41.ops import sparse_attn_gathered
@@ -76,6 +78,20 @@ def ops_mode() -> str:
     if v in ("0", "false", "off", "no"):
         return "0"
     raise ValueError(f"{OPS_ENV}={v!r}: expected auto, 1 or 0")
+
+
+STREAMS_ENV = "VLLM_DSV41_STREAMS"
+
+
+def stream_dtype(wf: WeightFormat) -> torch.dtype:
+    """``VLLM_DSV41_STREAMS``: the dtype of the mHC residual streams between layers.  ``auto`` (default): the fast
+    CUDA path's activation dtype (bf16, as vLLM's built-in V4.1 keeps its residual streams; the mHC ops compute in
+    fp32 and round what they store: half the bytes of the fp32 streams, which every boundary reads and writes), fp32
+    elsewhere (the reference, exact mode); ``fp32`` keeps fp32 streams on the fast path (the comparison)."""
+    v = os.environ.get(STREAMS_ENV, "auto").strip().lower()
+    if v not in ("", "auto", "fp32"):
+        raise ValueError(f"{STREAMS_ENV}={v!r}: expected auto or fp32")
+    return wf.dense_dtype if wf.cuda_fast and v != "fp32" else torch.float32
 
 
 def use_ops(mode: str, device: torch.device) -> bool:
@@ -371,14 +387,13 @@ class Attention(nn.Module):
         return step.once(("swa_slots", id(g), geometry, id(pos), id(floors)), lambda: g.slots_of(req, kp, geometry))
 
     def _attend_ops(self, model: "DeepseekV41Model", step: Step, q: torch.Tensor, out_tok: torch.Tensor,
-                    xr: torch.Tensor, qr: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
-        """All rows at once through ``dsv41::sparse_attn`` (inverse RoPE included)."""
+                    floors: torch.Tensor) -> torch.Tensor:
+        """All rows at once through ``dsv41::sparse_attn`` (inverse RoPE included), over the selection the step
+        holds (this layer's own, made in ``forward``, or its index source's)."""
         cfg, plan = self.cfg, self.plan
         pos, req = step.rows_of(out_tok)
         src = comp_cache = comp_slots = None
         if plan.compress_ratio > 0:
-            if plan.owns_indexer:
-                step.scratch[("topk_ids", plan.layer_id)] = self._select_ops(model, step, pos, req, xr, qr)
             src = model.attn_of(plan.kv_source)
             comp_slots = step.once(  # shared by the selection's consumers
                 ("comp_slots", plan.index_source, plan.kv_source),
@@ -461,14 +476,34 @@ class Attention(nn.Module):
         else:
             kv = self.norm(kv_raw, self.kv_norm.weight, self.eps)
             self._write_swa(step, tok, self._rope(step, kv, step.rows_of(tok)[0]))
-        if plan.owns_compressor:
-            (self._compress_ops if step.use_ops else self._compress)(step, tok, x)
         out_tok = step.take(tok, rows)
         xr, qr = step.take(x, rows), step.take(qr_all, rows)
         q_in = qr.to(self.q_dtype) if step.use_ops and self.q_dtype is not None else qr
-        q = self._rope(step, self.wq_b(q_in).view(-1, cfg.num_attention_heads, D), step.rows_of(out_tok)[0])
-        attend = self._attend_ops if step.use_ops else self._attend_torch
-        o = attend(model, step, q, out_tok, xr, qr, floors)
+
+        def query() -> torch.Tensor:
+            return self._rope(step, self.wq_b(q_in).view(-1, cfg.num_attention_heads, D), step.rows_of(out_tok)[0])
+
+        if not step.use_ops:
+            if plan.owns_compressor:
+                self._compress(step, tok, x)
+            o = self._attend_torch(model, step, query(), out_tok, xr, qr, floors)
+        else:
+            # the compressor's cache writes and this layer's selection do not need the queries: on the side stream
+            # beside wq_b (model_executor/overlap); the attention after the join reads both
+            pos, req = step.rows_of(out_tok)  # step-held, made before the fork
+            selects = plan.compress_ratio > 0 and plan.owns_indexer
+
+            def side() -> None:
+                if plan.owns_compressor:
+                    self._compress_ops(step, tok, x)
+                if selects:
+                    step.scratch[("topk_ids", plan.layer_id)] = self._select_ops(model, step, pos, req, xr, qr)
+
+            if plan.owns_compressor or selects:
+                q, _ = beside(qr, side, query)
+            else:
+                q = query()
+            o = self._attend_ops(model, step, q, out_tok, floors)
         z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))
         return self.wo_b(z.flatten(1))  # bf16 on the fast path: the mHC post-mix reads it in fp32
 
@@ -526,6 +561,8 @@ class MoE(nn.Module):
         self.mxfp4: tuple[torch.Tensor, ...] | None = None  # the checkpoint's MXFP4 bytes stacked (moe_mxfp4, bf16_moe)
         self.ogs: tuple | None = None  # the same bytes in matmul_ogs' layouts (VLLM_DSV41_MOE=ogs)
         self.bf16_from = 0  # tokens from which a forward takes bf16_moe (0: never)
+        self.fp8_from = 0  # tokens from which a forward takes fp8_moe (0: never; before bf16_from)
+        self.fp8_rows: tuple[torch.Tensor, ...] | None = None  # fp8_moe's per-row exponents and scales
         self.act_dtype = wf.dense_dtype  # the experts' input dtype on the fast path
 
     def finalize(self) -> None:
@@ -537,32 +574,44 @@ class MoE(nn.Module):
                 log_moe_choice(backend, 0)
                 return
             self.bf16_from = moe_bf16_from(backend)
-            log_moe_choice(backend, self.bf16_from)
+            self.fp8_from = moe_fp8_from(self.gate.weight.device)
+            log_moe_choice(backend, self.bf16_from, self.fp8_from)
             if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
                 self.ogs = ogs_expert_stack(self.experts)
-            if backend == "triton" or self.bf16_from:
+            if backend == "triton" or self.bf16_from or self.fp8_from:
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
+            if self.fp8_from:
+                self.fp8_rows = fp8_row_exponents(self.mxfp4)
             if backend == "marlin":
                 self.marlin = marlin_expert_stack(self.experts)
             del self.experts
 
-    def forward(self, x: torch.Tensor, ops: bool = False) -> torch.Tensor:
+    def _route(self, x: torch.Tensor, ops: bool) -> tuple[torch.Tensor, torch.Tensor]:
         if ops:
-            idx, wts = _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
-        else:
-            idx, wts = route(x, self.gate.weight.to(x.dtype), self.gate.bias, self.k, self.scale)
+            return _ops().router(x, self.gate.weight, self.gate.bias, self.k, self.scale)
+        return route(x, self.gate.weight.to(x.dtype), self.gate.bias, self.k, self.scale)
+
+    def _routed(self, x: torch.Tensor, xb: torch.Tensor, ops: bool) -> torch.Tensor:
+        """Router and routed experts through the fused stack chosen at load (x for the router, xb for the experts)."""
+        idx, wts = self._route(x, ops)
+        if self.fp8_from and x.shape[0] >= self.fp8_from and not in_static_step():
+            return fp8_moe(xb, self.mxfp4, self.fp8_rows, idx, wts, self.limit)
+        if self.bf16_from and x.shape[0] >= self.bf16_from and not in_static_step():
+            return bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
+        if self.marlin is not None:
+            return marlin_moe(xb, self.marlin, idx, wts, self.limit)
+        if self.ogs is not None:  # no host sync: also inside captured decode steps
+            return ogs_moe(xb, self.ogs, idx, wts, self.limit)
+        return _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit)
+
+    def forward(self, x: torch.Tensor, ops: bool = False) -> torch.Tensor:
         if self.marlin is not None or self.mxfp4 is not None or self.ogs is not None:
             # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
             xb = x.to(self.act_dtype)
-            if self.bf16_from and x.shape[0] >= self.bf16_from and not in_static_step():
-                routed = bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
-            elif self.marlin is not None:
-                routed = marlin_moe(xb, self.marlin, idx, wts, self.limit)
-            elif self.ogs is not None:  # no host sync: also inside captured decode steps
-                routed = ogs_moe(xb, self.ogs, idx, wts, self.limit)
-            else:
-                routed = _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit)
-            return routed + self.shared_experts(xb)
+            # the shared expert on a side stream beside the router and the routed experts (model_executor/overlap)
+            routed, shared = beside(xb, lambda: self.shared_experts(xb), lambda: self._routed(x, xb, ops))
+            return routed + shared
+        idx, wts = self._route(x, ops)
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
         return y + self.shared_experts(x)
 
@@ -594,7 +643,7 @@ class Engram(nn.Module):
         dot = dot * torch.rsqrt(S.pow(2).mean(-1) + self.eps) * torch.rsqrt(keys.pow(2).mean(-1) + self.eps)
         dot = dot / math.sqrt(H)
         gate = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp(min=1e-6)))
-        return S + gate.unsqueeze(-1) * val.unsqueeze(1)
+        return (S + gate.unsqueeze(-1) * val.unsqueeze(1)).to(S.dtype)  # the streams keep their dtype
 
 
 # --------------------------------------------------------------------------- layers and model
@@ -816,6 +865,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         cfg = self.cfg
         self.weights = WeightFormat.choose(exact_mode())
         wf = self.weights
+        self.stream_dtype = stream_dtype(wf)
         self.embed = Norm(1)
         self.embed.weight = _param(cfg.vocab_size, cfg.hidden_size, dtype=wf.dense_dtype)
         self.model = DeepseekV41Model(cfg, self.bounded_replay, wf, prefix=f"{prefix}.model." if prefix else "model.")
@@ -881,7 +931,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Embeddings [n, H] of the step's tokens -> (final hidden states of the rows the decoder kept, those
         rows' token indices)."""
         cfg = self.cfg
-        S = e.float()[:, None, :].expand(e.shape[0], cfg.hc_mult, cfg.hidden_size).contiguous()
+        S = e.to(self.stream_dtype)[:, None, :].expand(e.shape[0], cfg.hc_mult, cfg.hidden_size).contiguous()
         S, pre, tok = self.model(step, S)
         return rms_norm(hc_collapse(S, pre), self.norm.weight, float(cfg.rms_norm_eps)), tok
 

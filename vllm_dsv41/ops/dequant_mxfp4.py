@@ -10,6 +10,12 @@ kernel, built for small batches, was 43% of a 16k-token prefill's GPU time on th
 the decode costs one pass over the layer's weights (566 MB of FP4 -> 2.3 GB of bf16 at the bench width),
 which a long prefill amortises.  The torch reference materialises int64 indices per element (far too much
 memory at that size), hence a Triton kernel: one program per ``BLOCK_R`` rows x ``BLOCK_C`` packed bytes.
+
+``dequant_mxfp4_fp8(w, s, row_exp [..., R] int32, out [..., R, C] float8_e4m3fn) -> ()``: the same values divided
+by each row's power of two ``formats.mxfp4_fp8_row_scale(row_exp)`` (``row_exp`` = ``formats.mxfp4_row_exponents(s)``,
+computed once at load), i.e. ``formats.mxfp4_to_fp8_rows``' bytes: the FP8 prefill MoE (``linear.fp8_moe``) runs
+vLLM's FP8 fused-MoE GEMMs on them with per-row weight and per-token activation scales, half the scratch bytes of
+bf16 and twice the tensor-core rate.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
 from vllm_dsv41.ops._triton import jit_with_e2m1
 
-__all__ = ["dequant_mxfp4", "dequant_mxfp4_ref"]
+__all__ = ["dequant_mxfp4", "dequant_mxfp4_ref", "dequant_mxfp4_fp8", "dequant_mxfp4_fp8_ref"]
 
 
 def _check(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
@@ -40,20 +46,42 @@ def _check(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> tuple[int, in
     return w.numel() // C2, C2
 
 
+def _check_fp8(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor, out: torch.Tensor) -> tuple[int, int]:
+    R, C2 = _check(w, s, out)
+    if out.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"dequant_mxfp4_fp8: out is {out.dtype}, expected torch.float8_e4m3fn")
+    if tuple(row_exp.shape) != tuple(w.shape[:-1]) or row_exp.dtype != torch.int32 or not row_exp.is_contiguous():
+        raise ValueError(f"dequant_mxfp4_fp8: row_exp {tuple(row_exp.shape)} {row_exp.dtype}, expected contiguous "
+                         f"int32 {tuple(w.shape[:-1])} (formats.mxfp4_row_exponents of the scales)")
+    return R, C2
+
+
 def dequant_mxfp4_ref(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
     _check(w, s, out)
     out.copy_(formats.dequant_mxfp4(w.view(torch.uint8), s.view(torch.uint8)))
 
 
-def _dequant_kernel(w_ptr, s_ptr, out_ptr, R, C2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows [BLOCK_R] x packed bytes [BLOCK_C] -> 2 * BLOCK_C outputs per row (even: low nibble, odd: high)."""
+def dequant_mxfp4_fp8_ref(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor, out: torch.Tensor) -> None:
+    _check_fp8(w, s, row_exp, out)
+    row_scale = formats.mxfp4_fp8_row_scale(row_exp).unsqueeze(-1)
+    out.copy_(formats._to_e4m3(formats.dequant_mxfp4(w.view(torch.uint8), s.view(torch.uint8)) / row_scale))
+
+
+def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, R, C2, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                    ROW_EXP: tl.constexpr, HEADROOM: tl.constexpr):
+    """Rows [BLOCK_R] x packed bytes [BLOCK_C] -> 2 * BLOCK_C outputs per row (even: low nibble, odd: high); with
+    ROW_EXP each row divided by 2**(row_exp - 127 - HEADROOM) (exact powers of two; the FP8 store rounds, RNE)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C2)[None, :]
     r64 = rows.to(tl.int64)[:, None]
     b = tl.load(w_ptr + r64 * C2 + cols[None, :], mask=mask, other=0).to(tl.int32)
     e = tl.load(s_ptr + r64 * (C2 // 16) + (cols // 16)[None, :], mask=mask, other=127).to(tl.float32)
-    half_scale = tl.exp2(e - 128.0)  # _e2m1_twice returns 2 * value
+    if ROW_EXP:
+        re = tl.load(r_ptr + rows, mask=rows < R, other=127).to(tl.float32)
+        half_scale = tl.exp2(e - re[:, None] + (HEADROOM - 1.0))  # _e2m1_twice returns 2 * value
+    else:
+        half_scale = tl.exp2(e - 128.0)
     lo = _e2m1_twice(b & 15) * half_scale
     hi = _e2m1_twice(b >> 4) * half_scale
     o = out_ptr + r64 * (2 * C2) + 2 * cols[None, :]
@@ -69,12 +97,22 @@ def _kernels():
 BLOCK_R, BLOCK_C = 16, 128
 
 
-def _dequant_mxfp4_triton(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
-    R, C2 = _check(w, s, out)
+def _launch(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor | None, out: torch.Tensor, R: int, C2: int):
     grid = (-(-R // BLOCK_R), -(-C2 // BLOCK_C))
-    _kernels()[grid](w.view(torch.uint8), s.view(torch.uint8), out, R, C2, BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C,
-                     num_warps=4)
+    _kernels()[grid](w.view(torch.uint8), s.view(torch.uint8), row_exp if row_exp is not None else s, out, R, C2,
+                     BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ROW_EXP=row_exp is not None,
+                     HEADROOM=formats.MXFP4_FP8_HEADROOM, num_warps=4)
+
+
+def _dequant_mxfp4_triton(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
+    _launch(w, s, None, out, *_check(w, s, out))
+
+
+def _dequant_mxfp4_fp8_triton(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor, out: torch.Tensor) -> None:
+    _launch(w, s, row_exp, out, *_check_fp8(w, s, row_exp, out))
 
 
 dequant_mxfp4 = define_op("dequant_mxfp4", "(Tensor w, Tensor s, Tensor(a!) out) -> ()",
                           dequant_mxfp4_ref, _dequant_mxfp4_triton)
+dequant_mxfp4_fp8 = define_op("dequant_mxfp4_fp8", "(Tensor w, Tensor s, Tensor row_exp, Tensor(a!) out) -> ()",
+                              dequant_mxfp4_fp8_ref, _dequant_mxfp4_fp8_triton)

@@ -52,7 +52,9 @@ Kernel design (CUDA, Triton):
   the in-kernel MMA ran at ~23% of the bandwidth whatever the tile or split count (its S tiles change layout
   through shared memory for the MMA); measured on an H200 at 16k rows with fp32 streams: ``mhc_pre`` 1.50 ->
   1.29 ms, ``mhc_post_pre`` 2.87 -> 1.86 ms (docs/benchmarks.md, session 12).  The GEMM reads S a second time,
-  which is why small T keeps the projection inside.
+  which is why small T keeps the projection inside.  bf16 streams (the fast path's default since session 15) go to
+  cuBLAS as they are, against fn split once into bf16 hi + lo rows, with fp32 output (``_bf16_projection``: no fp32
+  copy of S, the kernel's BF16_SPLIT arithmetic).
 * Numerics: fp32 accumulation throughout.  For bf16 S the operands of ``tl.dot`` are S (exact in bf16)
   and fn split into bf16 hi + lo parts (two MMAs, ~2^-17 relative error per product, i.e. fp32-level);
   for other dtypes ``input_precision="tf32x3"``.  h is parked in x's dtype, so a bf16 x is rounded twice
@@ -440,6 +442,26 @@ def _fp32_projection(v: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
         torch.backends.cuda.matmul.allow_tf32 = True
 
 
+_FN_SPLITS: dict[tuple, torch.Tensor] = {}
+
+
+def _bf16_projection(v: torch.Tensor, fn: torch.Tensor) -> torch.Tensor:
+    """v [T, C*H] bf16 @ fn^T in fp32 without an fp32 copy of v: fn split once into bf16 hi + lo rows (the kernel's
+    BF16_SPLIT, ~2^-17 relative error per product; v is exact in bf16), one bf16 GEMM with fp32 output (cuBLAS) over
+    both, the halves added."""
+    key = (fn.data_ptr(), fn._version, tuple(fn.shape), fn.device)
+    both = _FN_SPLITS.get(key)
+    if both is None:
+        hi = fn.to(torch.bfloat16)
+        both = _FN_SPLITS[key] = torch.cat((hi, (fn - hi.float()).to(torch.bfloat16))).contiguous()
+    n = fn.shape[0]
+    if v.is_cuda:
+        m = torch.mm(v, both.t(), out_dtype=torch.float32)
+    else:  # the interpreter tests: the same products in fp32
+        m = v.float() @ both.float().t()
+    return m[:, :n] + m[:, n:]
+
+
 def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int, int, int]:
     assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
     T, C, H = stream.shape
@@ -498,7 +520,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     )
     if not project:  # the kernel left the projection columns 0: split 0 takes the whole product
         v = (new_stream if fuse else stream).reshape(T, C * H)
-        part[0, :, :nmix] = _fp32_projection(v if v.dtype == torch.float32 else v.float(), fn)
+        part[0, :, :nmix] = _bf16_projection(v, fn) if v.dtype == torch.bfloat16 else _fp32_projection(v.float(), fn)
 
     ep_t, ep_h = 8, 512
     nhb = _cdiv(H, ep_h)

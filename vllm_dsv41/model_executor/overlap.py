@@ -1,0 +1,77 @@
+"""A side CUDA stream for work that can run beside the main stream's: the shared expert next to the router and
+the routed experts (``MoE.forward``), and the compressor's cache writes and the indexer's selection next to the query
+projection (``Attention.forward``).
+
+Why: in a batch-64 decode step the routed experts stream their weights at ~3.4 TB/s while the shared expert's
+two FP8 GEMMs, its activation and its two activation quantisations (~25 µs a layer, ~1 ms of a ~20 ms step on the
+H200, docs/benchmarks.md) are small launches that leave most SMs idle; run on a second stream they fill the gaps
+of the router and routing kernels and share the bandwidth with the expert GEMMs.  Likewise ``compress_insert`` runs
+4 programs at batch 64 (~70 µs) and the indexer's chain is ~45 µs of small kernels, beside ``wq_b``'s ~22 µs.  The
+fork and the join are stream waits, so they are captured into the decode CUDA graphs as graph edges and cost no host
+sync.
+
+``VLLM_DSV41_OVERLAP_ROWS`` (default :data:`DEFAULT_OVERLAP_ROWS`): forward passes of at most this many rows take
+the side stream; 0 turns it off (the serial order, for comparison).  Large prefill passes keep the serial order:
+there both branches are compute-bound GEMMs that would only take SMs from each other.
+
+Memory: a tensor made on one stream and used on the other is only freed after the join (the main stream waits
+for the side stream before it uses the side's result, and the side stream waits for the main one before every
+fork), so the caching allocator never hands a block to one stream while the other may still read it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable, TypeVar
+
+import torch
+
+OVERLAP_ROWS_ENV = "VLLM_DSV41_OVERLAP_ROWS"
+DEFAULT_OVERLAP_ROWS = 1024
+
+A = TypeVar("A")
+B = TypeVar("B")
+
+
+def overlap_rows() -> int:
+    """The row limit of ``VLLM_DSV41_OVERLAP_ROWS`` (0: never overlap)."""
+    v = os.environ.get(OVERLAP_ROWS_ENV, "").strip() or str(DEFAULT_OVERLAP_ROWS)
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{OVERLAP_ROWS_ENV}={v!r}: expected a row count >= 0 (0: no side stream)")
+    return n
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device_index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device=device_index)
+
+
+def side_stream_for(x: torch.Tensor) -> torch.cuda.Stream | None:
+    """The side stream of ``x``'s device when a pass over ``x``'s rows should overlap, else None (CPU tensors,
+    empty passes, more rows than the limit)."""
+    if not x.is_cuda or x.shape[0] == 0 or x.shape[0] > overlap_rows():
+        return None
+    return _side_stream(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+def beside(x: torch.Tensor, side: Callable[[], B], main: Callable[[], A]) -> tuple[A, B]:
+    """``(main(), side())``, with ``side`` on the side stream while ``main`` runs on the current one when
+    :func:`side_stream_for` allows (``side`` launched first, so it starts while ``main``'s first kernels are
+    queued), else one after the other (``side`` first, the same order).  Results are the same either way: the two
+    callables must not depend on each other."""
+    stream = side_stream_for(x)
+    if stream is None:
+        s = side()
+        return main(), s
+    current = torch.cuda.current_stream(x.device)
+    stream.wait_stream(current)  # fork: the side work sees everything queued before it
+    with torch.cuda.stream(stream):
+        s = side()
+    m = main()
+    current.wait_stream(stream)  # join: later work on the current stream sees the side's result
+    return m, s
