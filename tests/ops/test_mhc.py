@@ -301,3 +301,18 @@ def test_cuda_pre_fp32_stream(T):
     for name, a, b in zip(("x", "pre", "post", "comb"), mhc.mhc_pre_ref(*pre_args(t)),
                           torch.ops.dsv41.mhc_pre(*pre_args(t))):
         assert_close(f"mhc_pre fp32 T={T} {name}", a, b, ratio=1e-4)
+
+
+def test_fn_split_follows_the_tensor_not_its_address():
+    """The bf16 hi + lo split of fn (the bf16-stream projection) is kept per tensor and version: an in-place update
+    or another tensor at a reused address gets its own split (a cache keyed by address gave a freed tensor's split
+    to the next one on the GPU), and hi + lo gives fn back to ~2^-17."""
+    fn = torch.randn(24, 64)
+    both = mhc._fn_split(fn)
+    assert both.shape == (48, 64) and both.dtype == torch.bfloat16 and mhc._fn_split(fn) is both
+    back = both[:24].float() + both[24:].float()
+    assert ((back - fn).abs() <= fn.abs() * 2.0 ** -16).all()
+    fn.mul_(2)
+    assert torch.equal(mhc._fn_split(fn), both * 2)
+    other = torch.randn(24, 64)
+    assert not torch.equal(mhc._fn_split(other), mhc._fn_split(fn))

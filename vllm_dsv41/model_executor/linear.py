@@ -723,8 +723,10 @@ def fp8_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], rows: tuple[torch.
 def fp8_moe_ref(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,
                 limit: float) -> torch.Tensor:
     """:func:`fp8_moe`'s arithmetic in fp32 (any device): FP8 weights under per-row scales
-    (``formats.mxfp4_to_fp8_rows``), activations quantised per token before each GEMM, the clamped SwiGLU in fp32, a
-    loop over the experts hit.  The GPU test's reference for the kernels' part of the error."""
+    (``formats.mxfp4_to_fp8_rows``), activations quantised per token before each GEMM, the clamped SwiGLU, a loop
+    over the experts hit; the GEMM outputs and the activation rounded to x's dtype where the kernels store them (bf16
+    on the GPU: that rounding moves ~1 in 30 FP8 codes of the activation by one step, ~1.3e-2 of the output against
+    fp32 intermediates on the H200).  The GPU test's reference for the kernels' part of the error."""
     from vllm_dsv41.reference.model import clamped_swiglu_act
 
     w13q, s13, w2q, s2 = stack
@@ -735,8 +737,8 @@ def fp8_moe_ref(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Ten
     for e in idx.unique().tolist():
         t, slot = (idx == e).nonzero(as_tuple=True)
         q, sa = formats.quant_fp8_tokens(x[t].float())
-        h = (q.float() @ w13[e].float().t()) * sa * r13[e]
-        act = clamped_swiglu_act(h[:, :I], h[:, I:], limit)
+        h = ((q.float() @ w13[e].float().t()) * sa * r13[e]).to(x.dtype).float()
+        act = clamped_swiglu_act(h[:, :I], h[:, I:], limit).to(x.dtype)
         q2, sa2 = formats.quant_fp8_tokens(act)
         y = (q2.float() @ w2[e].float().t()) * sa2 * r2[e]
         out.index_add_(0, t, y * wts[t, slot].float()[:, None])

@@ -85,8 +85,10 @@ def _dequant_kernel(w_ptr, s_ptr, r_ptr, out_ptr, R, C2, BLOCK_R: tl.constexpr, 
     lo = _e2m1_twice(b & 15) * half_scale
     hi = _e2m1_twice(b >> 4) * half_scale
     o = out_ptr + r64 * (2 * C2) + 2 * cols[None, :]
-    tl.store(o, lo.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(o + 1, hi.to(out_ptr.dtype.element_ty), mask=mask)
+    # round to nearest even: Triton's default for an fp32 -> fp8 cast is towards zero (exact values are unaffected;
+    # those of blocks more than 14 binades below the row's largest round, as formats.mxfp4_to_fp8_rows does)
+    tl.store(o, lo.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(o + 1, hi.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @functools.lru_cache(maxsize=None)
