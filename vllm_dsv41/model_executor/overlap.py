@@ -14,6 +14,10 @@ sync.
 the side stream; 0 turns it off (the serial order, for comparison).  Large prefill passes keep the serial order:
 there both branches are compute-bound GEMMs that would only take SMs from each other.
 
+What may run on the side stream: ops without per-device shared state.  ``dsv41::router`` keeps its arrival counters
+in one buffer per device (``ops/router.py``), so two routers must not run on two streams at once; it stays on the
+main stream (``MoE._routed``).
+
 Memory: a tensor made on one stream and used on the other is only freed after the join (the main stream waits
 for the side stream before it uses the side's result, and the side stream waits for the main one before every
 fork), so the caching allocator never hands a block to one stream while the other may still read it.
