@@ -13,7 +13,7 @@ at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``tr
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
 ``ogs_flags`` (that MoE under triton_kernels' opt-flag constraints at ``--tokens`` and ``--prefill``),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
-``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, under a tile sweep against ``matmul_ogs`` at the ``--prefill`` sizes),
+``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
@@ -348,64 +348,51 @@ FP8_MOE_SWEEP = ((128, 256, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4), (128, 256, 
 """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) tried by ``--only moe_fp8``; the first is ``FP8_MOE_TILES``."""
 
 
-def section_moe_fp8(tokens: list[int], iters: int) -> None:
-    """The FP8 prefill MoE (``linear.fp8_moe``) under the tile sweep ``FP8_MOE_SWEEP`` against ``matmul_ogs`` at
-    prefill sizes; TFLOP/s counts the two GEMMs' products."""
+def _moe_tile_sweep(label: str, sweep: tuple, tokens: list[int], iters: int, fp8: bool) -> None:
+    """A prefill MoE path (``linear.bf16_moe``, or ``linear.fp8_moe`` with ``fp8``) under a tile sweep at prefill
+    sizes, with ``matmul_ogs`` (the default up to then) timed first when it imports; TFLOP/s counts the two GEMMs'
+    products, "diff" is against ``matmul_ogs`` (else the sweep's first tile)."""
     import bench_gemm as bg
 
     from vllm_dsv41.model_executor import linear
 
     experts = bg.random_experts()
     stack = linear.mxfp4_expert_stack(experts)
-    rows = linear.fp8_row_exponents(stack)
-    ogs = linear.ogs_expert_stack(experts)
+    rows = linear.fp8_row_exponents(stack) if fp8 else None
+    try:
+        ogs = linear.ogs_expert_stack(experts)
+    except Exception as exc:  # noqa: BLE001 - the sweep runs without its comparison
+        print(f"{label}: no ogs stack ({type(exc).__name__}); diffs against the first tile")
+        ogs = None
+
+    def path(x, idx, wts, cfg):
+        if fp8:
+            return linear.fp8_moe(x, stack, rows, idx, wts, 10.0, config=cfg)
+        return linear.bf16_moe(x, stack, idx, wts, 10.0, config=cfg)
+
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"\nFP8 fused MoE (prefill path) tiles vs matmul_ogs: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
+    print(f"\n{label} fused MoE (prefill path) tiles: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
     for T in tokens:
         x, idx, wts = routed_batch(T, g)
         flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
-        ref = linear.ogs_moe(x, ogs, idx, wts, 10.0).float()
-        total, per = kernel_us(lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters)
-        print(f"{'moe_ogs T=' + str(T):<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s", flush=True)
-        for bm, bn, bk, gm, nw, ns in FP8_MOE_SWEEP:
+        if ogs is not None:
+            ref = linear.ogs_moe(x, ogs, idx, wts, 10.0).float()
+            total, per = kernel_us(lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters)
+            print(f"{'moe_ogs T=' + str(T):<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s",
+                  flush=True)
+        else:
+            ref = None
+        for bm, bn, bk, gm, nw, ns in sweep:
             cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=nw, num_stages=ns)
-            name = f"moe_fp8 T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
+            name = f"moe_{label} T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
             try:
-                def run(c=cfg):
-                    return linear.fp8_moe(x, stack, rows, idx, wts, 10.0, config=c)
-                total, per = kernel_us(run, iters)
-                diff = (run().float() - ref).norm() / ref.norm()
+                total, per = kernel_us(lambda c=cfg: path(x, idx, wts, c), iters)
+                got = path(x, idx, wts, cfg).float()
+                ref = got if ref is None else ref
+                diff = (got - ref).norm() / ref.norm()
                 top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
                 print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  "
-                      f"diff vs ogs {diff.item():.1e}  [{top}]", flush=True)
-            except Exception as exc:  # a tile that does not fit
-                print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
-
-
-def section_moe_bf16(tokens: list[int], iters: int) -> None:
-    """The prefill MoE (``linear.bf16_moe``: MXFP4 experts decoded to bf16, vLLM's Triton fused-MoE GEMMs) under the
-    tile sweep ``BF16_MOE_SWEEP``, at prefill sizes; TFLOP/s counts the two GEMMs' products."""
-    import bench_gemm as bg
-
-    from vllm_dsv41.model_executor import linear
-
-    experts = bg.random_experts()
-    stack = linear.mxfp4_expert_stack(experts)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"\nbf16 fused MoE (prefill path) tiles: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
-    for T in tokens:
-        x, idx, wts = routed_batch(T, g)
-        flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
-        ref = linear.bf16_moe(x, stack, idx, wts, 10.0).float()
-        for bm, bn, bk, gm, nw, ns in BF16_MOE_SWEEP:
-            cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=nw, num_stages=ns)
-            name = f"moe_bf16 T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
-            try:
-                total, per = kernel_us(lambda c=cfg: linear.bf16_moe(x, stack, idx, wts, 10.0, config=c), iters)
-                diff = (linear.bf16_moe(x, stack, idx, wts, 10.0, config=cfg).float() - ref).norm() / ref.norm()
-                top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
-                print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  "
-                      f"diff vs default {diff.item():.1e}  [{top}]", flush=True)
+                      f"diff {diff.item():.1e}  [{top}]", flush=True)
             except Exception as exc:  # a tile that does not fit
                 print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
 
@@ -555,10 +542,9 @@ def main() -> int:
             section_dense(a.tokens, a.iters)
         elif name == "w8a8":
             section_w8a8(a.tokens + a.prefill, a.iters)
-        elif name == "moe_bf16":
-            section_moe_bf16(a.prefill, a.iters)
-        elif name == "moe_fp8":
-            section_moe_fp8(a.prefill, a.iters)
+        elif name in ("moe_bf16", "moe_fp8"):
+            fp8 = name == "moe_fp8"
+            _moe_tile_sweep("fp8" if fp8 else "bf16", FP8_MOE_SWEEP if fp8 else BF16_MOE_SWEEP, a.prefill, a.iters, fp8)
         elif name == "moe_ogs":
             section_moe_ogs(sorted(set(a.tokens) | {512, 4096}), a.iters)
         elif name == "ogs_flags":

@@ -134,21 +134,28 @@ def log_moe_choice(backend: str, bf16_from: int, fp8_from: int = 0) -> None:
                 f", fp8_moe from {fp8_from} tokens" if fp8_from else "")
 
 
+def env_count(name: str, default: int, what: str) -> int:
+    """A count >= 0 from environment variable ``name`` (unset or empty: ``default``); anything else fails naming
+    the variable, its value and ``what`` was expected."""
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return default
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{name}={v!r}: expected {what}")
+    return n
+
+
 def moe_bf16_from(backend: str = "marlin") -> int:
     """``VLLM_DSV41_MOE_BF16_FROM``: forward passes of at least this many tokens (prefill) run the routed experts
     as bf16 (:func:`bf16_moe`: the layer's MXFP4 experts decoded into a scratch buffer, vLLM's Triton fused-MoE
     GEMMs) instead of the decode backend; 0 turns that off.  Default for Marlin 2048 (its W4A16 kernel took ~0.8 µs
     per token and layer in a 16k-token prefill; break-even near 1k tokens, an estimate); for ``ogs`` 0, since
     ``matmul_ogs`` beat bf16_moe (its per-call decode of the experts included) at 4,096 tokens on the H200."""
-    default = "0" if backend == "ogs" else "2048"
-    v = os.environ.get(MOE_BF16_FROM_ENV, default).strip() or default
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{MOE_BF16_FROM_ENV}={v!r}: expected a token count >= 0 (0: never)")
-    return n
+    return env_count(MOE_BF16_FROM_ENV, 0 if backend == "ogs" else 2048, "a token count >= 0 (0: never)")
 
 
 DEFAULT_MOE_FP8_FROM = 4096
@@ -161,15 +168,8 @@ def moe_fp8_from(device: torch.device) -> int:
     """``VLLM_DSV41_MOE_FP8_FROM``: forward passes of at least this many tokens run the routed experts in FP8
     (:func:`fp8_moe`); 0 turns that off.  Default :data:`DEFAULT_MOE_FP8_FROM` on GPUs with FP8 tensor cores
     (:func:`w8a8_supported`), else 0."""
-    default = str(DEFAULT_MOE_FP8_FROM) if device.type != "cuda" or w8a8_supported(device) else "0"
-    v = os.environ.get(MOE_FP8_FROM_ENV, default).strip() or default
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{MOE_FP8_FROM_ENV}={v!r}: expected a token count >= 0 (0: never)")
-    return n
+    default = DEFAULT_MOE_FP8_FROM if device.type != "cuda" or w8a8_supported(device) else 0
+    return env_count(MOE_FP8_FROM_ENV, default, "a token count >= 0 (0: never)")
 
 
 @dataclass(frozen=True)
@@ -574,18 +574,19 @@ def ogs_moe(x: torch.Tensor, stack: tuple, idx: torch.Tensor, wts: torch.Tensor,
     return out.to(x.dtype)
 
 
-_BF16_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _bf16_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pair of bf16 expert buffers per shape and device, shared by every layer (they run one at a time)."""
+def _scratch(w13: torch.Tensor, w2: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pair of decoded-expert buffers per shape, dtype and device, shared by every layer (they run one at a
+    time): [E, 2I, H] and [E, H, I] for the packed stacks w13 [E, 2I, H/2] and w2 [E, H, I/2]."""
     E, N, K2 = w13.shape
     H, I2 = w2.shape[1:]
-    key = (E, N, K2, H, I2, w13.device)
-    if key not in _BF16_SCRATCH:
-        _BF16_SCRATCH[key] = (torch.empty(E, N, 2 * K2, dtype=FAST_GEMM_DTYPE, device=w13.device),
-                              torch.empty(E, H, 2 * I2, dtype=FAST_GEMM_DTYPE, device=w13.device))
-    return _BF16_SCRATCH[key]
+    key = (E, N, K2, H, I2, dtype, w13.device)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (torch.empty(E, N, 2 * K2, dtype=dtype, device=w13.device),
+                         torch.empty(E, H, 2 * I2, dtype=dtype, device=w13.device))
+    return _SCRATCH[key]
 
 
 BF16_MOE_TILES = dict(BLOCK_SIZE_M=128, BLOCK_SIZE_N=256, BLOCK_SIZE_K=64, GROUP_SIZE_M=1, num_warps=8, num_stages=4)
@@ -611,6 +612,22 @@ def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor
     (``dsv41::dequant_mxfp4``), then vLLM's Triton fused-MoE GEMMs with the clamped SwiGLU between them.
     x [T, H], idx [T, k], wts [T, k] -> [T, H] (x's dtype).  ``config``: the GEMMs' tiles (``BLOCK_SIZE_M/N/K``,
     ``GROUP_SIZE_M``, ``num_warps``, ``num_stages``; sweeps), else :func:`_bf16_moe_tiles`."""
+    from vllm_dsv41.ops import dequant_mxfp4  # noqa: F401
+
+    w13q, s13, w2q, s2 = stack
+    w13, w2 = _scratch(w13q, w2q, FAST_GEMM_DTYPE)
+    torch.ops.dsv41.dequant_mxfp4(w13q, s13, w13)
+    torch.ops.dsv41.dequant_mxfp4(w2q, s2, w2)
+    config = dict(config) if config else _bf16_moe_tiles(tuple(w13.shape), tuple(w2.shape), idx.shape[1], x.shape[0])
+    return _fused_moe_gemms(x, w13, w2, None, idx, wts, limit, config)
+
+
+def _fused_moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_scales: tuple | None,
+                     idx: torch.Tensor, wts: torch.Tensor, limit: float, config: dict) -> torch.Tensor:
+    """vLLM's Triton fused-MoE kernel twice over a layer's decoded experts (w13 [E, 2I, H], w2 [E, H, I]) with the
+    clamped SwiGLU between and ``moe_sum`` after: bf16 operands, or (``row_scales`` = (w13 [E, 2I], w2 [E, H]) fp32)
+    FP8 weights under those per-row scales and both GEMMs' activations quantised per token (vLLM's dynamic FP8
+    quantisation).  x [T, H], idx [T, k], wts [T, k] -> [T, H] (x's dtype)."""
     import triton.language as tl
     from vllm import _custom_ops as vops
     from vllm.model_executor.layers.fused_moe.activation import (ApplyMoEActivationConfig, MoEActivation,
@@ -618,47 +635,35 @@ def bf16_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor
     from vllm.model_executor.layers.fused_moe.fused_moe import dispatch_fused_moe_kernel
     from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
 
-    from vllm_dsv41.ops import dequant_mxfp4  # noqa: F401
+    fp8 = row_scales is not None
 
-    w13q, s13, w2q, s2 = stack
-    w13, w2 = _bf16_scratch(w13q, w2q)
-    torch.ops.dsv41.dequant_mxfp4(w13q, s13, w13)
-    torch.ops.dsv41.dequant_mxfp4(w2q, s2, w2)
-    a = x.to(FAST_GEMM_DTYPE).contiguous()
+    def operand(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if fp8:
+            return vops.scaled_fp8_quant(t, use_per_token_if_dynamic=True)
+        return t, None
+
     T, k = idx.shape
     E, N, _ = w13.shape
     H = w2.shape[1]
     idx = idx.to(torch.int32).contiguous()
     wts = wts.float().contiguous()
-    config = dict(config) if config else _bf16_moe_tiles(tuple(w13.shape), tuple(w2.shape), k, T)
     sorted_ids, expert_ids, n_padded = moe_align_block_size(idx, config["BLOCK_SIZE_M"], E)
     gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=n_padded,
-                config=config, compute_type=tl.bfloat16, use_fp8_w8a8=False, use_int8_w8a8=False,
-                use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=False)
+                config=config, compute_type=tl.bfloat16, use_fp8_w8a8=fp8, use_int8_w8a8=False,
+                use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=fp8)
+    s13, s2 = row_scales if fp8 else (None, None)
+    a, a_scale = operand(x.to(FAST_GEMM_DTYPE).contiguous())
     h = torch.empty(T, k, N, dtype=FAST_GEMM_DTYPE, device=x.device)
-    dispatch_fused_moe_kernel(a, w13, h, None, None, None, wts, mul_routed_weight=False, top_k=k, **gemm)
+    dispatch_fused_moe_kernel(a, w13, h, a_scale, s13, None, wts, mul_routed_weight=False, top_k=k, **gemm)
     act = torch.empty(T * k, N // 2, dtype=FAST_GEMM_DTYPE, device=x.device)
     apply_moe_activation(MoEActivation.SILU, act, h.view(-1, N),
                          activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
+    act, act_scale = operand(act)
     y = torch.empty(T, k, H, dtype=FAST_GEMM_DTYPE, device=x.device)
-    dispatch_fused_moe_kernel(act, w2, y, None, None, None, wts, mul_routed_weight=True, top_k=1, **gemm)
+    dispatch_fused_moe_kernel(act, w2, y, act_scale, s2, None, wts, mul_routed_weight=True, top_k=1, **gemm)
     out = torch.empty(T, H, dtype=FAST_GEMM_DTYPE, device=x.device)
     vops.moe_sum(y, out)
     return out.to(x.dtype)
-
-
-_FP8_SCRATCH: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _fp8_scratch(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One pair of FP8 expert buffers per shape and device, shared by every layer (they run one at a time)."""
-    E, N, K2 = w13.shape
-    H, I2 = w2.shape[1:]
-    key = (E, N, K2, H, I2, w13.device)
-    if key not in _FP8_SCRATCH:
-        _FP8_SCRATCH[key] = (torch.empty(E, N, 2 * K2, dtype=torch.float8_e4m3fn, device=w13.device),
-                             torch.empty(E, H, 2 * I2, dtype=torch.float8_e4m3fn, device=w13.device))
-    return _FP8_SCRATCH[key]
 
 
 def fp8_row_exponents(stack: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
@@ -682,42 +687,14 @@ def fp8_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], rows: tuple[torch.
     activations quantised per token (vLLM's dynamic FP8 quantisation, as ``w8a8_gemm``), then vLLM's Triton
     fused-MoE GEMMs with per-token x per-channel scales and the clamped SwiGLU between them.  x [T, H], idx [T, k],
     wts [T, k] -> [T, H] (x's dtype).  CUDA only (the CPU reference of its arithmetic is :func:`fp8_moe_ref`)."""
-    import triton.language as tl
-    from vllm import _custom_ops as vops
-    from vllm.model_executor.layers.fused_moe.activation import (ApplyMoEActivationConfig, MoEActivation,
-                                                                apply_moe_activation)
-    from vllm.model_executor.layers.fused_moe.fused_moe import dispatch_fused_moe_kernel
-    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
-
     from vllm_dsv41.ops import dequant_mxfp4  # noqa: F401
 
     w13q, s13, w2q, s2 = stack
     e13, r13, e2, r2 = rows
-    w13, w2 = _fp8_scratch(w13q, w2q)
+    w13, w2 = _scratch(w13q, w2q, torch.float8_e4m3fn)
     torch.ops.dsv41.dequant_mxfp4_fp8(w13q, s13, e13, w13)
     torch.ops.dsv41.dequant_mxfp4_fp8(w2q, s2, e2, w2)
-    a, a_scale = vops.scaled_fp8_quant(x.to(FAST_GEMM_DTYPE).contiguous(), use_per_token_if_dynamic=True)
-    T, k = idx.shape
-    E, N, _ = w13.shape
-    H = w2.shape[1]
-    idx = idx.to(torch.int32).contiguous()
-    wts = wts.float().contiguous()
-    config = dict(config) if config else dict(FP8_MOE_TILES)
-    sorted_ids, expert_ids, n_padded = moe_align_block_size(idx, config["BLOCK_SIZE_M"], E)
-    gemm = dict(sorted_token_ids=sorted_ids, expert_ids=expert_ids, num_tokens_post_padded=n_padded,
-                config=config, compute_type=tl.bfloat16, use_fp8_w8a8=True, use_int8_w8a8=False,
-                use_int8_w8a16=False, use_int4_w4a16=False, per_channel_quant=True)
-    h = torch.empty(T, k, N, dtype=FAST_GEMM_DTYPE, device=x.device)
-    dispatch_fused_moe_kernel(a, w13, h, a_scale, r13, None, wts, mul_routed_weight=False, top_k=k, **gemm)
-    act = torch.empty(T * k, N // 2, dtype=FAST_GEMM_DTYPE, device=x.device)
-    apply_moe_activation(MoEActivation.SILU, act, h.view(-1, N),
-                         activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
-    act_q, act_scale = vops.scaled_fp8_quant(act, use_per_token_if_dynamic=True)
-    y = torch.empty(T, k, H, dtype=FAST_GEMM_DTYPE, device=x.device)
-    dispatch_fused_moe_kernel(act_q, w2, y, act_scale, r2, None, wts, mul_routed_weight=True, top_k=1, **gemm)
-    out = torch.empty(T, H, dtype=FAST_GEMM_DTYPE, device=x.device)
-    vops.moe_sum(y, out)
-    return out.to(x.dtype)
+    return _fused_moe_gemms(x, w13, w2, (r13, r2), idx, wts, limit, dict(config) if config else dict(FP8_MOE_TILES))
 
 
 def fp8_moe_ref(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,

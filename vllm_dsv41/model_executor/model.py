@@ -606,7 +606,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: bool = False) -> torch.Tensor:
         if self.marlin is not None or self.mxfp4 is not None or self.ogs is not None:
-            # bf16 into both expert paths (one cast) and out (the mHC post-mix reads fp32)
+            # bf16 into both expert paths (one cast, none with bf16 streams) and out (the mHC post-mix reads it)
             xb = x.to(self.act_dtype)
             # the shared expert on a side stream beside the router and the routed experts (model_executor/overlap)
             routed, shared = beside(xb, lambda: self.shared_experts(xb), lambda: self._routed(x, xb, ops))

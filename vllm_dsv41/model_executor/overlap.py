@@ -26,10 +26,11 @@ fork), so the caching allocator never hands a block to one stream while the othe
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, TypeVar
 
 import torch
+
+from vllm_dsv41.model_executor.linear import env_count
 
 OVERLAP_ROWS_ENV = "VLLM_DSV41_OVERLAP_ROWS"
 DEFAULT_OVERLAP_ROWS = 1024
@@ -40,14 +41,7 @@ B = TypeVar("B")
 
 def overlap_rows() -> int:
     """The row limit of ``VLLM_DSV41_OVERLAP_ROWS`` (0: never overlap)."""
-    v = os.environ.get(OVERLAP_ROWS_ENV, "").strip() or str(DEFAULT_OVERLAP_ROWS)
-    try:
-        n = int(v)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"{OVERLAP_ROWS_ENV}={v!r}: expected a row count >= 0 (0: no side stream)")
-    return n
+    return env_count(OVERLAP_ROWS_ENV, DEFAULT_OVERLAP_ROWS, "a row count >= 0 (0: no side stream)")
 
 
 @functools.lru_cache(maxsize=None)
