@@ -11,7 +11,8 @@
 #   scripts/gpu/session.sh ogs_flags       # the matmul_ogs MoE under triton_kernels opt-flag constraints, 64 tokens (decode)
 #   scripts/gpu/session.sh moe_bf16        # the prefill MoE (bf16_moe) under a sweep of fused-MoE tiles, 4k and 16k tokens
 #   scripts/gpu/session.sh w8a8            # W8A8 FP8 GEMMs from vLLM / torch vs bf16 cuBLAS at the dense shapes
-#   scripts/gpu/session.sh fp8moe          # the FP8 prefill MoE and the side stream: CUDA tests, then fp8_moe's tiles vs ogs
+#   scripts/gpu/session.sh fp8moe          # the FP8 prefill MoE, the side stream, mHC on bf16 streams: CUDA tests,
+#                                          # then fp8_moe's tiles vs ogs
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -88,9 +89,10 @@ case "${1:-}" in
     grep -vE "^(INFO|WARNING)" "$OUT/w8a8.log" | tail -80 | cut -c1-230 ;;
   fp8moe)
     # the FP8 prefill MoE and the side stream: their CUDA tests, then fp8_moe's tiles against matmul_ogs at prefill sizes
-    timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py -k "fp8_moe or beside" \
-      > "$OUT/fp8moe-tests.log" 2>&1
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/ops/test_dequant_mxfp4.py >> "$OUT/fp8moe-tests.log" 2>&1
+    timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py \
+      -k "fp8_moe or bf16_moe or beside" > "$OUT/fp8moe-tests.log" 2>&1
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_dequant_mxfp4.py tests/ops/test_mhc.py \
+      >> "$OUT/fp8moe-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error|rel err" "$OUT/fp8moe-tests.log" | tail -20
     (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only moe_fp8 --prefill 2048 4096 16384 --iters 5) \
       > "$OUT/moe-fp8.log" 2>&1
