@@ -68,8 +68,10 @@ def beside(x: torch.Tensor, side: Callable[[], B], main: Callable[[], A]) -> tup
         return main(), s
     current = torch.cuda.current_stream(x.device)
     stream.wait_stream(current)  # fork: the side work sees everything queued before it
-    with torch.cuda.stream(stream):
-        s = side()
-    m = main()
-    current.wait_stream(stream)  # join: later work on the current stream sees the side's result
+    try:
+        with torch.cuda.stream(stream):
+            s = side()
+        m = main()
+    finally:  # join, also when either raised: nothing the side stream still reads is freed to the current one early
+        current.wait_stream(stream)
     return m, s
