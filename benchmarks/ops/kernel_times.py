@@ -181,10 +181,9 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
         sets = [(w16.clone(), wr.clone(), sr.clone(), None if wb is None else wb.clone(),
                  None if sb is None else sb.clone()) for _ in range(copies)]
         for M in tokens:
-            Kin = K
-            x = torch.randn(M, G * Kin, device="cuda").to(bf)
-            wg = w.view(G, N // G, Kin)
-            ref = torch.einsum("tgk,gok->tgo", x.float().view(M, G, Kin), wg).reshape(M, N)
+            x = torch.randn(M, G * K, device="cuda").to(bf)
+            wg = w.view(G, N // G, K)
+            ref = torch.einsum("tgk,gok->tgo", x.float().view(M, G, K), wg).reshape(M, N)
             paths = []
             if G == 1:
                 paths.append(("bf16", lambda s: torch.nn.functional.linear(x, s[0]), 2 * N * K))
@@ -196,23 +195,23 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
                     return ops.cutlass_scaled_mm(q, s[3].t(), sa, s[4].t(), bf)
                 paths.append(("cutlass block128", block, N * K))
             else:
-                xg = x.view(M, G, Kin)
-                paths.append(("bf16 einsum", lambda s: torch.einsum("tgk,gok->tgo", xg, s[0].view(G, N // G, Kin))
+                xg = x.view(M, G, K)
+                paths.append(("bf16 einsum", lambda s: torch.einsum("tgk,gok->tgo", xg, s[0].view(G, N // G, K))
                               .reshape(M, N), 2 * N * K))
 
                 def loop(s):
-                    q, sa = ops.scaled_fp8_quant(x.view(M * G, Kin), use_per_token_if_dynamic=True)
-                    q, sa = q.view(M, G, Kin), sa.view(M, G)
-                    wv, sv = s[1].view(G, N // G, Kin), s[2].view(G, N // G, 1)
+                    q, sa = ops.scaled_fp8_quant(x.view(M * G, K), use_per_token_if_dynamic=True)
+                    q, sa = q.view(M, G, K), sa.view(M, G)
+                    wv, sv = s[1].view(G, N // G, K), s[2].view(G, N // G, 1)
                     return torch.cat([ops.cutlass_scaled_mm(q[:, g].contiguous(), wv[g].t(), sa[:, g:g + 1].contiguous(), sv[g], bf)
                                       for g in range(G)], 1)
                 paths.append(("cutlass rowwise x8", loop, N * K))
 
                 def grouped(s):
-                    q, sa = ops.scaled_fp8_quant(x.view(M * G, Kin), use_per_token_if_dynamic=True)
-                    qa = q.view(M, G, Kin).transpose(0, 1).contiguous()
+                    q, sa = ops.scaled_fp8_quant(x.view(M * G, K), use_per_token_if_dynamic=True)
+                    qa = q.view(M, G, K).transpose(0, 1).contiguous()
                     sa = sa.view(M, G).t().contiguous()
-                    wv = s[1].view(G, N // G, Kin).transpose(-2, -1)
+                    wv = s[1].view(G, N // G, K).transpose(-2, -1)
                     out = torch._scaled_grouped_mm(qa, wv, sa, s[2].view(G, N // G), out_dtype=bf)
                     return out.transpose(0, 1).reshape(M, N)
                 paths.append(("torch scaled_grouped_mm", grouped, N * K))

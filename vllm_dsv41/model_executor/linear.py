@@ -242,8 +242,15 @@ def w8a8_gemm(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch
 
         q, sa = vllm_ops.scaled_fp8_quant(x.contiguous(), use_per_token_if_dynamic=True)
         return vllm_ops.cutlass_scaled_mm(q, w8.t(), sa, w_scale, x.dtype)
+    return w8a8_ref(x, w8, w_scale).to(x.dtype)
+
+
+def w8a8_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """The arithmetic of a W8A8 GEMM in fp32 on any device: x [M, K] quantised to E4M3 per token
+    (:func:`formats.quant_fp8_tokens`) times the E4M3 weight [N, K] under its per-row scales (w_scale [N, 1] or
+    [N]) -> fp32 [M, N]."""
     q, sa = formats.quant_fp8_tokens(x)
-    return ((q.float() @ w8.float().t()) * sa * w_scale.t()).to(x.dtype)
+    return (q.float() @ w8.float().t()) * sa * w_scale.reshape(1, -1)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -357,8 +364,8 @@ class QuantLinear(nn.Module):
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         backend = dense_gemm_backend()
-        if backend == "w8a8":  # grouped layers stay on bf16 (one batched GEMM, measured faster), as do pre-FP8 GPUs
-            backend = "w8a8" if self.groups == 1 and w8a8_supported(self.weight.device) else "bf16"
+        if backend == "w8a8" and not (self.groups == 1 and w8a8_supported(self.weight.device)):
+            backend = "bf16"  # grouped layers stay on bf16 (one batched GEMM, measured faster), as do pre-FP8 GPUs
         if backend == "w8a8":
             self.w8, self.w8_scale = formats.fp8_block_to_rows(self.weight.data, self.scale.data.view(E8M0))
             del self.weight, self.scale
@@ -713,11 +720,9 @@ def fp8_moe_ref(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Ten
     out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
     for e in idx.unique().tolist():
         t, slot = (idx == e).nonzero(as_tuple=True)
-        q, sa = formats.quant_fp8_tokens(x[t].float())
-        h = ((q.float() @ w13[e].float().t()) * sa * r13[e]).to(x.dtype).float()
+        h = w8a8_ref(x[t], w13[e], r13[e]).to(x.dtype).float()
         act = clamped_swiglu_act(h[:, :I], h[:, I:], limit).to(x.dtype)
-        q2, sa2 = formats.quant_fp8_tokens(act)
-        y = (q2.float() @ w2[e].float().t()) * sa2 * r2[e]
+        y = w8a8_ref(act, w2[e], r2[e])
         out.index_add_(0, t, y * wts[t, slot].float()[:, None])
     return out.to(x.dtype)
 

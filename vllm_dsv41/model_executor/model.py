@@ -594,10 +594,12 @@ class MoE(nn.Module):
     def _routed(self, x: torch.Tensor, xb: torch.Tensor, ops: bool) -> torch.Tensor:
         """Router and routed experts through the fused stack chosen at load (x for the router, xb for the experts)."""
         idx, wts = self._route(x, ops)
-        if self.fp8_from and x.shape[0] >= self.fp8_from and not in_static_step():
-            return fp8_moe(xb, self.mxfp4, self.fp8_rows, idx, wts, self.limit)
-        if self.bf16_from and x.shape[0] >= self.bf16_from and not in_static_step():
-            return bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
+        T = x.shape[0]
+        if not in_static_step():  # the prefill paths, eager steps only
+            if self.fp8_from and T >= self.fp8_from:
+                return fp8_moe(xb, self.mxfp4, self.fp8_rows, idx, wts, self.limit)
+            if self.bf16_from and T >= self.bf16_from:
+                return bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
         if self.marlin is not None:
             return marlin_moe(xb, self.marlin, idx, wts, self.limit)
         if self.ogs is not None:  # no host sync: also inside captured decode steps
