@@ -241,6 +241,14 @@ _INTERP_CASES = [
     ("skip-empty-row-s1", dict(odd=True, empty_row=True, skip=True), dict(BLOCK_H=16, BLOCK_N=16), 1, False),
     ("skip-mixed-s2", dict(T=3, Hq=4, D=64, R=16, W=40, K=70, seed=15, skip=True), dict(BLOCK_H=16, BLOCK_N=16), 2,
      True),
+    # V_SPLIT = 2: each program owns half the value pairs (logits over all of them), with and without split-KV
+    ("vsplit-s1", dict(T=3, Hq=4, D=64, R=16, W=40, K=70, seed=19), dict(BLOCK_H=16, BLOCK_N=16, V_SPLIT=2), 1, False),
+    ("vsplit-s3-hwfp8", dict(T=5, Hq=20, D=64, R=16, W=40, K=70, seed=20), dict(BLOCK_H=16, BLOCK_N=32, V_SPLIT=2),
+     3, True),
+    ("vsplit-swa-only-s2", dict(T=4, Hq=8, D=64, R=16, W=100, K=None, seed=21),
+     dict(BLOCK_H=16, BLOCK_N=64, V_SPLIT=2), 2, False),
+    ("vsplit-D512-bf16-s2", dict(T=2, Hq=16, D=512, R=64, W=128, K=96, seed=22, dtype=torch.bfloat16),
+     dict(BLOCK_H=16, BLOCK_N=32, V_SPLIT=2), 2, True),
     ("real-T1-fp32-auto", dict(T=1, Hq=64, D=512, R=64, W=128, K=512, seed=18, swa_pool=512, comp_pool=2048,
                                holes=0.02), dict(BLOCK_H=64, BLOCK_N=32), None, True),
 ]
@@ -364,6 +372,9 @@ _GPU_CFGS = {
     "h64n32s1": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=1),   # warp-group MMA
     "h32n32s2": dict(BLOCK_H=32, BLOCK_N=32, num_warps=8, num_stages=2),   # mma.sync
     "h16n32s2": dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2),
+    "h64n32s2v2": dict(BLOCK_H=64, BLOCK_N=32, num_warps=8, num_stages=2, V_SPLIT=2),   # half the values a program
+    "h64n64s2v2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, V_SPLIT=2),
+    "h16n64s2v2": dict(BLOCK_H=16, BLOCK_N=64, num_warps=8, num_stages=2, V_SPLIT=2),
 }
 
 
@@ -473,7 +484,7 @@ def _sm90_sparse_attn(dtype: torch.dtype, cfg: dict) -> dict:
     consts = {"D": 512, "R": 64, "BLOCK_H": cfg["BLOCK_H"], "BLOCK_N": cfg["BLOCK_N"], "HAS_COMP": True, "HW_FP8": True,
               "DOT_PREC": "tf32" if dtype == torch.bfloat16 else "ieee", "P_BF16": dtype == torch.bfloat16,
               "DOT_F32": dtype == torch.float32, "SWA_ALIGNED": True, "COMP_ALIGNED": True,
-              "PAIR_IO": dtype == torch.bfloat16, "SKIP_EMPTY": False}
+              "PAIR_IO": dtype == torch.bfloat16, "SKIP_EMPTY": False, "V_SPLIT": cfg.get("V_SPLIT", 1)}
     kernel = sa._sparse_attn_kernel
     sig = {name: ptrs.get(name, "constexpr" if name in consts else "i32") for name in kernel.arg_names}
     return sm90_build(kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])

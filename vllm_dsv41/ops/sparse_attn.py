@@ -212,47 +212,54 @@ if triton is not None:
         return tl.where((c & 8) != 0, -v, v)
 
     @triton.jit
-    def _mxfp8_keys(rec8_ptr, rec16_ptr, row8, row16, slots, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HW_FP8: tl.constexpr, ALIGNED: tl.constexpr):
-        """MXFP8 records of ``slots`` [BLOCK_N] (int64) -> (even, odd) halves [BLOCK_N, D/2], fp32.
+    def _mxfp8_part(rec8_ptr, rec16_ptr, row8, row16, slots, valid, p0, P: tl.constexpr, D: tl.constexpr,
+                    BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr, ALIGNED: tl.constexpr):
+        """Pairs p0 .. p0 + P of the MXFP8 records of ``slots`` [BLOCK_N] (int64) -> (even, odd) [BLOCK_N, P], fp32.
 
         A record is D E4M3 bytes then D/32 UE8M0 bytes; read as int16 words, word i holds elements
-        2i (low byte) and 2i+1 (high byte); one scale covers 16 words.
+        2i (low byte) and 2i+1 (high byte); one scale covers 16 words (``p0`` is a multiple of 16).
         """
-        HALF: tl.constexpr = D // 2
-        G: tl.constexpr = D // 32
+        G: tl.constexpr = P // 16
         base16 = slots * row16
         base8 = slots * row8
         if ALIGNED:  # rows start on 16-byte boundaries: lets the loads vectorise
             base16 = tl.multiple_of(base16, 8)
             base8 = tl.multiple_of(base8, 16)
-        w = tl.load(rec16_ptr + base16[:, None] + tl.arange(0, HALF)[None, :], mask=valid[:, None], other=0)
+        w = tl.load(rec16_ptr + base16[:, None] + p0 + tl.arange(0, P)[None, :], mask=valid[:, None], other=0)
         w = tl.reshape(w.to(tl.int32), (BLOCK_N, G, 16))
-        sc = tl.load(rec8_ptr + base8[:, None] + (D + tl.arange(0, G))[None, :], mask=valid[:, None], other=127)
+        sc = tl.load(rec8_ptr + base8[:, None] + D + p0 // 16 + tl.arange(0, G)[None, :], mask=valid[:, None],
+                     other=127)
         s = _e8m0_to_f32(sc.to(tl.int32))[:, :, None]
         ke = _e4m3_to_f32(w & 255, HW_FP8) * s
         ko = _e4m3_to_f32((w >> 8) & 255, HW_FP8) * s
-        return tl.reshape(ke, (BLOCK_N, HALF)), tl.reshape(ko, (BLOCK_N, HALF))
+        return tl.reshape(ke, (BLOCK_N, P)), tl.reshape(ko, (BLOCK_N, P))
 
     @triton.jit
-    def _nvfp4_keys(rec8_ptr, row8, slots, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr,
-                    ALIGNED: tl.constexpr):
-        """NVFP4 records of ``slots`` [BLOCK_N] (int64) -> (even, odd) halves [BLOCK_N, D/2], fp32.
+    def _mxfp8_keys(rec8_ptr, rec16_ptr, row8, row16, slots, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HW_FP8: tl.constexpr, ALIGNED: tl.constexpr):
+        """Every pair of the MXFP8 records of ``slots``: (even, odd) halves [BLOCK_N, D/2], fp32."""
+        return _mxfp8_part(rec8_ptr, rec16_ptr, row8, row16, slots, valid, 0, D // 2, D, BLOCK_N, HW_FP8, ALIGNED)
+
+    @triton.jit
+    def _nvfp4_part(rec8_ptr, row8, slots, valid, p0, P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HW_FP8: tl.constexpr, ALIGNED: tl.constexpr):
+        """Pairs p0 .. p0 + P of the NVFP4 records of ``slots`` [BLOCK_N] (int64) -> (even, odd) [BLOCK_N, P], fp32.
 
         A record is D/2 bytes of E2M1 pairs (low nibble = even element) then D/16 E4M3 scales;
-        one scale covers 8 bytes.  With HW_FP8 each E2M1 code goes through the hardware E4M3 conversion:
-        its bits (s, e1, e0, m) placed as the E4M3 byte (s, 0, 0, e1, e0, m, 0, 0) read exactly value x 2^-6
-        (subnormal codes included), so a nibble costs three integer ops instead of the ~12 of the bit-by-bit
-        decode (the comp-tile loop of the sm_90 build: 3,846 -> 2,265 instructions per thread).
+        one scale covers 8 bytes (``p0`` is a multiple of 8).  With HW_FP8 each E2M1 code goes through the
+        hardware E4M3 conversion: its bits (s, e1, e0, m) placed as the E4M3 byte (s, 0, 0, e1, e0, m, 0, 0) read
+        exactly value x 2^-6 (subnormal codes included), so a nibble costs three integer ops instead of the ~12 of
+        the bit-by-bit decode (the comp-tile loop of the sm_90 build: 3,846 -> 2,265 instructions per thread).
         """
         HALF: tl.constexpr = D // 2
-        G: tl.constexpr = D // 16
+        G: tl.constexpr = P // 8
         base = slots * row8
         if ALIGNED:
             base = tl.multiple_of(base, 16)
-        b = tl.load(rec8_ptr + base[:, None] + tl.arange(0, HALF)[None, :], mask=valid[:, None], other=0)
+        b = tl.load(rec8_ptr + base[:, None] + p0 + tl.arange(0, P)[None, :], mask=valid[:, None], other=0)
         b = tl.reshape(b.to(tl.int32), (BLOCK_N, G, 8))
-        sc = tl.load(rec8_ptr + base[:, None] + (HALF + tl.arange(0, G))[None, :], mask=valid[:, None], other=0)
+        sc = tl.load(rec8_ptr + base[:, None] + HALF + p0 // 8 + tl.arange(0, G)[None, :], mask=valid[:, None],
+                     other=0)
         if HW_FP8:
             s = (_e4m3_to_f32(sc.to(tl.int32), HW_FP8) * 64.0)[:, :, None]  # 64 undoes the 2^-6 of the E4M3 read
             ke = _e4m3_to_f32(((b & 7) << 2) | ((b & 8) << 4), HW_FP8) * s
@@ -261,14 +268,24 @@ if triton is not None:
             s = (_e4m3_to_f32(sc.to(tl.int32), HW_FP8) * 0.5)[:, :, None]  # 0.5 undoes the doubled E2M1
             ke = _e2m1_twice(b & 15) * s
             ko = _e2m1_twice(b >> 4) * s
-        return tl.reshape(ke, (BLOCK_N, HALF)), tl.reshape(ko, (BLOCK_N, HALF))
+        return tl.reshape(ke, (BLOCK_N, P)), tl.reshape(ko, (BLOCK_N, P))
 
     @triton.jit
-    def _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DOT_PREC: tl.constexpr,
-                P_BF16: tl.constexpr):
-        """One key tile of the online softmax (base 2).  q_* [H, D/2], k_* [N, D/2], valid [N]."""
-        s = tl.dot(q_e, tl.trans(k_e), input_precision=DOT_PREC)
-        s = tl.dot(q_o, tl.trans(k_o), s, input_precision=DOT_PREC)
+    def _nvfp4_keys(rec8_ptr, row8, slots, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr,
+                    ALIGNED: tl.constexpr):
+        """Every pair of the NVFP4 records of ``slots``: (even, odd) halves [BLOCK_N, D/2], fp32."""
+        return _nvfp4_part(rec8_ptr, row8, slots, valid, 0, D // 2, D, BLOCK_N, HW_FP8, ALIGNED)
+
+    @triton.jit
+    def _qk(q_e, q_o, k_e, k_o, s, DOT_PREC: tl.constexpr):
+        """s + q·k^T over one block of pairs: q_* [H, P], k_* [N, P] -> [H, N] fp32."""
+        s = tl.dot(q_e, tl.trans(k_e), s, input_precision=DOT_PREC)
+        return tl.dot(q_o, tl.trans(k_o), s, input_precision=DOT_PREC)
+
+    @triton.jit
+    def _softmax_pv(s, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DOT_PREC: tl.constexpr,
+                    P_BF16: tl.constexpr):
+        """One key tile of the online softmax (base 2): logits s [H, N], values k_* [N, P], valid [N]."""
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -282,37 +299,52 @@ if triton is not None:
         return m_new, l_i, acc_e, acc_o
 
     @triton.jit
-    def _swa_tile(rec8_ptr, rec16_ptr, row8, row16, slots, q_e, q_o, m_i, l_i, acc_e, acc_o, qk_scale,
-                  D: tl.constexpr, BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr, ALIGNED: tl.constexpr,
-                  DOT_PREC: tl.constexpr, P_BF16: tl.constexpr):
-        """One tile of SWA keys (MXFP8 records of ``slots``, -1 = none) into the online softmax."""
+    def _swa_tile(rec8_ptr, rec16_ptr, row8, row16, slots, q_eA, q_oA, q_eB, q_oB, pa, pb, m_i, l_i, acc_e, acc_o,
+                  qk_scale, D: tl.constexpr, PV: tl.constexpr, V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HW_FP8: tl.constexpr, ALIGNED: tl.constexpr, DOT_PREC: tl.constexpr, P_BF16: tl.constexpr):
+        """One tile of SWA keys (MXFP8 records of ``slots``, -1 = none) into the online softmax: the logits over
+        every pair, the values of the program's pairs pa .. pa + PV (``q_*B``, ``pb``: the other half's pairs,
+        decoded and dropped first, when V_SPLIT = 2)."""
         valid = slots >= 0
-        k_e, k_o = _mxfp8_keys(rec8_ptr, rec16_ptr, row8, row16, slots.to(tl.int64), valid, D, BLOCK_N, HW_FP8,
-                               ALIGNED)
-        k_e, k_o = k_e.to(q_e.dtype), k_o.to(q_e.dtype)  # exact: the records carry <= 8 significant bits
-        return _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DOT_PREC, P_BF16)
+        slots = slots.to(tl.int64)
+        s = tl.zeros([q_eA.shape[0], BLOCK_N], dtype=tl.float32)
+        if V_SPLIT == 2:
+            k_e, k_o = _mxfp8_part(rec8_ptr, rec16_ptr, row8, row16, slots, valid, pb, PV, D, BLOCK_N, HW_FP8,
+                                   ALIGNED)
+            s = _qk(q_eB, q_oB, k_e.to(q_eA.dtype), k_o.to(q_eA.dtype), s, DOT_PREC)
+        k_e, k_o = _mxfp8_part(rec8_ptr, rec16_ptr, row8, row16, slots, valid, pa, PV, D, BLOCK_N, HW_FP8, ALIGNED)
+        k_e, k_o = k_e.to(q_eA.dtype), k_o.to(q_eA.dtype)  # exact: the records carry <= 8 significant bits
+        s = _qk(q_eA, q_oA, k_e, k_o, s, DOT_PREC)
+        return _softmax_pv(s, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DOT_PREC, P_BF16)
 
     @triton.jit
-    def _comp_tile(rec8_ptr, row8, slots, q_e, q_o, m_i, l_i, acc_e, acc_o, qk_scale,
-                   D: tl.constexpr, BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr, ALIGNED: tl.constexpr,
-                   DOT_PREC: tl.constexpr, P_BF16: tl.constexpr):
-        """One tile of compressed keys (NVFP4 records of ``slots``, -1 = none) into the online softmax."""
+    def _comp_tile(rec8_ptr, row8, slots, q_eA, q_oA, q_eB, q_oB, pa, pb, m_i, l_i, acc_e, acc_o, qk_scale,
+                   D: tl.constexpr, PV: tl.constexpr, V_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HW_FP8: tl.constexpr, ALIGNED: tl.constexpr, DOT_PREC: tl.constexpr, P_BF16: tl.constexpr):
+        """One tile of compressed keys (NVFP4 records of ``slots``, -1 = none) into the online softmax (pairs as
+        in :func:`_swa_tile`)."""
         valid = slots >= 0
-        k_e, k_o = _nvfp4_keys(rec8_ptr, row8, slots.to(tl.int64), valid, D, BLOCK_N, HW_FP8, ALIGNED)
-        k_e, k_o = k_e.to(q_e.dtype), k_o.to(q_e.dtype)
-        return _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DOT_PREC, P_BF16)
+        slots = slots.to(tl.int64)
+        s = tl.zeros([q_eA.shape[0], BLOCK_N], dtype=tl.float32)
+        if V_SPLIT == 2:
+            k_e, k_o = _nvfp4_part(rec8_ptr, row8, slots, valid, pb, PV, D, BLOCK_N, HW_FP8, ALIGNED)
+            s = _qk(q_eB, q_oB, k_e.to(q_eA.dtype), k_o.to(q_eA.dtype), s, DOT_PREC)
+        k_e, k_o = _nvfp4_part(rec8_ptr, row8, slots, valid, pa, PV, D, BLOCK_N, HW_FP8, ALIGNED)
+        k_e, k_o = k_e.to(q_eA.dtype), k_o.to(q_eA.dtype)
+        s = _qk(q_eA, q_oA, k_e, k_o, s, DOT_PREC)
+        return _softmax_pv(s, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, qk_scale, DOT_PREC, P_BF16)
 
     @triton.jit
-    def _inv_rope_store(out_ptr, row_off, h_mask, o_e, o_o, pos, inv_freq_ptr,
+    def _inv_rope_store(out_ptr, row_off, h_mask, o_e, o_o, pos, inv_freq_ptr, p0, P: tl.constexpr,
                         D: tl.constexpr, R: tl.constexpr, PAIR_IO: tl.constexpr):
-        """Rotate pairs (2i, 2i+1) with i >= (D-R)/2 by -pos*inv_freq[i-(D-R)/2] and store them.
+        """Store pairs (2i, 2i+1), i = p0 .. p0 + P (o_* [H, P]), those with i >= (D-R)/2 rotated by
+        -pos*inv_freq[i-(D-R)/2].
 
         The angle is formed and reduced modulo 2*pi in float64 (positions reach 1e6), then the
         cos/sin are float32.  ``row_off`` [H] int64 element offsets of each head's output row.
         """
-        HALF: tl.constexpr = D // 2
         NOPE: tl.constexpr = (D - R) // 2
-        j = tl.arange(0, HALF)
+        j = p0 + tl.arange(0, P)
         rot = j >= NOPE
         f = tl.load(inv_freq_ptr + (j - NOPE), mask=rot, other=0.0)
         ang = pos.to(tl.float64) * f.to(tl.float64)
@@ -332,6 +364,21 @@ if triton is not None:
             dt = out_ptr.dtype.element_ty
             tl.store(ptr, out_e.to(dt), mask=h_mask[:, None])
             tl.store(ptr + 1, out_o.to(dt), mask=h_mask[:, None])
+
+    @triton.jit
+    def _load_q_pairs(q_ptr, q_off, h_mask, p0, P: tl.constexpr, PAIR_IO: tl.constexpr, DOT_F32: tl.constexpr):
+        """Pairs p0 .. p0 + P of the query rows at ``q_off`` [H, 1] -> (even, odd) [H, P]."""
+        j = p0 + tl.arange(0, P)
+        if PAIR_IO:  # bf16 q: read each pair (2i, 2i+1) as one 32-bit word, contiguous loads
+            qw = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + q_off // 2 + j[None, :], mask=h_mask[:, None], other=0)
+            q_e = (qw & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            q_o = ((qw >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            q_e = tl.load(q_ptr + q_off + 2 * j[None, :], mask=h_mask[:, None], other=0.0)
+            q_o = tl.load(q_ptr + q_off + 2 * j[None, :] + 1, mask=h_mask[:, None], other=0.0)
+        if DOT_F32:  # exact upcast; the keys follow q's dtype
+            q_e, q_o = q_e.to(tl.float32), q_o.to(tl.float32)
+        return q_e, q_o
 
     @triton.jit(do_not_specialize=["t_bucket"])  # an autotune key only: its value need not compile a variant
     def _sparse_attn_kernel(
@@ -355,35 +402,35 @@ if triton is not None:
         D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_COMP: tl.constexpr, HW_FP8: tl.constexpr, DOT_PREC: tl.constexpr, P_BF16: tl.constexpr,
         DOT_F32: tl.constexpr, SWA_ALIGNED: tl.constexpr, COMP_ALIGNED: tl.constexpr, PAIR_IO: tl.constexpr,
-        SKIP_EMPTY: tl.constexpr,
+        SKIP_EMPTY: tl.constexpr, V_SPLIT: tl.constexpr,
     ):
         HALF: tl.constexpr = D // 2
+        PV: tl.constexpr = HALF // V_SPLIT  # value pairs per program
         n_hg = tl.cdiv(Hq, BLOCK_H)
         pid = tl.program_id(0)
         hg = pid % n_hg
         rest = pid // n_hg
+        vc = rest % V_SPLIT
+        rest = rest // V_SPLIT
         split = rest % NUM_SPLITS
         t = (rest // NUM_SPLITS).to(tl.int64)
+        pa = vc * PV  # the program's value pairs: pa .. pa + PV
+        pb = (1 - vc) * PV  # with V_SPLIT = 2, the other half (logits only)
 
         offs_h = hg * BLOCK_H + tl.arange(0, BLOCK_H)
         h_mask = offs_h < Hq
-        j = tl.arange(0, HALF)
         q_off = t * stride_qt + offs_h[:, None].to(tl.int64) * stride_qh
-        if PAIR_IO:  # bf16 q: read each pair (2i, 2i+1) as one 32-bit word, contiguous loads
-            qw = tl.load(q_ptr.to(tl.pointer_type(tl.int32)) + q_off // 2 + j[None, :], mask=h_mask[:, None], other=0)
-            q_e = (qw & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            q_o = ((qw >> 16) & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        q_eA, q_oA = _load_q_pairs(q_ptr, q_off, h_mask, pa, PV, PAIR_IO, DOT_F32)
+        if V_SPLIT == 2:
+            q_eB, q_oB = _load_q_pairs(q_ptr, q_off, h_mask, pb, PV, PAIR_IO, DOT_F32)
         else:
-            q_e = tl.load(q_ptr + q_off + 2 * j[None, :], mask=h_mask[:, None], other=0.0)
-            q_o = tl.load(q_ptr + q_off + 2 * j[None, :] + 1, mask=h_mask[:, None], other=0.0)
-        if DOT_F32:  # exact upcast; the keys follow q's dtype
-            q_e, q_o = q_e.to(tl.float32), q_o.to(tl.float32)
+            q_eB, q_oB = q_eA, q_oA
 
         sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
         m_i = tl.maximum(sink2, -1.0e30)  # the sink is a key with logit sink and value 0
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-        acc_e = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
-        acc_o = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
+        acc_e = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
 
         lo = split * keys_per_split
         hi = lo + keys_per_split
@@ -397,12 +444,13 @@ if triton is not None:
             if SKIP_EMPTY:
                 if tl.max(slots, 0) >= 0:  # a tile of -1 only (a window not yet full) is skipped
                     m_i, l_i, acc_e, acc_o = _swa_tile(
-                        swa8_ptr, swa16_ptr, stride_swa8, stride_swa16, slots, q_e, q_o, m_i, l_i, acc_e, acc_o,
-                        qk_scale, D, BLOCK_N, HW_FP8, SWA_ALIGNED, DOT_PREC, P_BF16)
+                        swa8_ptr, swa16_ptr, stride_swa8, stride_swa16, slots, q_eA, q_oA, q_eB, q_oB, pa, pb,
+                        m_i, l_i, acc_e, acc_o, qk_scale, D, PV, V_SPLIT, BLOCK_N, HW_FP8, SWA_ALIGNED, DOT_PREC,
+                        P_BF16)
             else:
                 m_i, l_i, acc_e, acc_o = _swa_tile(
-                    swa8_ptr, swa16_ptr, stride_swa8, stride_swa16, slots, q_e, q_o, m_i, l_i, acc_e, acc_o,
-                    qk_scale, D, BLOCK_N, HW_FP8, SWA_ALIGNED, DOT_PREC, P_BF16)
+                    swa8_ptr, swa16_ptr, stride_swa8, stride_swa16, slots, q_eA, q_oA, q_eB, q_oB, pa, pb,
+                    m_i, l_i, acc_e, acc_o, qk_scale, D, PV, V_SPLIT, BLOCK_N, HW_FP8, SWA_ALIGNED, DOT_PREC, P_BF16)
         # compressed entries: virtual keys [W_pad, W_pad + K)
         if HAS_COMP:
             for n0 in range(tl.maximum(lo - W_pad, 0), tl.minimum(hi - W_pad, K), BLOCK_N):
@@ -411,12 +459,12 @@ if triton is not None:
                 if SKIP_EMPTY:
                     if tl.max(slots, 0) >= 0:  # fewer visible entries than top-k: the tail of -1 is skipped
                         m_i, l_i, acc_e, acc_o = _comp_tile(
-                            comp8_ptr, stride_comp8, slots, q_e, q_o, m_i, l_i, acc_e, acc_o, qk_scale,
-                            D, BLOCK_N, HW_FP8, COMP_ALIGNED, DOT_PREC, P_BF16)
+                            comp8_ptr, stride_comp8, slots, q_eA, q_oA, q_eB, q_oB, pa, pb, m_i, l_i, acc_e, acc_o,
+                            qk_scale, D, PV, V_SPLIT, BLOCK_N, HW_FP8, COMP_ALIGNED, DOT_PREC, P_BF16)
                 else:
                     m_i, l_i, acc_e, acc_o = _comp_tile(
-                        comp8_ptr, stride_comp8, slots, q_e, q_o, m_i, l_i, acc_e, acc_o, qk_scale,
-                        D, BLOCK_N, HW_FP8, COMP_ALIGNED, DOT_PREC, P_BF16)
+                        comp8_ptr, stride_comp8, slots, q_eA, q_oA, q_eB, q_oB, pa, pb, m_i, l_i, acc_e, acc_o,
+                        qk_scale, D, PV, V_SPLIT, BLOCK_N, HW_FP8, COMP_ALIGNED, DOT_PREC, P_BF16)
 
         if NUM_SPLITS == 1:
             denom = l_i + tl.exp2(sink2 - m_i)
@@ -424,12 +472,14 @@ if triton is not None:
             row_off = t * stride_ot + offs_h.to(tl.int64) * stride_oh
             pos = tl.load(pos_ptr + t)
             _inv_rope_store(out_ptr, row_off, h_mask, acc_e / denom[:, None], acc_o / denom[:, None], pos,
-                            inv_freq_ptr, D, R, PAIR_IO)
+                            inv_freq_ptr, pa, PV, D, R, PAIR_IO)
         else:
             prow = (t * NUM_SPLITS + split) * Hq + offs_h.to(tl.int64)  # [H] rows of the workspace
-            tl.store(part_ml_ptr + prow * 2, m_i, mask=h_mask)
-            tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=h_mask)
-            a_ptr = part_acc_ptr + prow[:, None] * D + j[None, :]
+            # both halves of a V split reach the same (max, sum) up to the order of the logit sums: one writes
+            ml_mask = h_mask & (offs_h * 0 + vc == 0)
+            tl.store(part_ml_ptr + prow * 2, m_i, mask=ml_mask)
+            tl.store(part_ml_ptr + prow * 2 + 1, l_i, mask=ml_mask)
+            a_ptr = part_acc_ptr + prow[:, None] * D + pa + tl.arange(0, PV)[None, :]
             tl.store(a_ptr, acc_e, mask=h_mask[:, None])
             tl.store(a_ptr + HALF, acc_o, mask=h_mask[:, None])
 
@@ -471,18 +521,19 @@ if triton is not None:
         row_off = t * stride_ot + offs_h.to(tl.int64) * stride_oh
         pos = tl.load(pos_ptr + t)
         _inv_rope_store(out_ptr, row_off, h_mask, acc_e / denom[:, None], acc_o / denom[:, None], pos,
-                        inv_freq_ptr, D, R, PAIR_IO)
+                        inv_freq_ptr, 0, HALF, D, R, PAIR_IO)
 
     # BLOCK_H = 64 runs the Hopper warp-group MMA (q and the key tile in shared memory); smaller head
     # groups use mma.sync and want num_stages = 2 (the pipeliner then stages the key tile through shared
     # memory instead of keeping two register copies).  Pruned with sm90 ptxas: all fit in 255 registers
     # with at most ~0.6 KB/thread of spill.
     _TUNE_CONFIGS = [
-        triton.Config({"BLOCK_H": bh, "BLOCK_N": bn}, num_warps=nw, num_stages=ns)
-        for bh, bn, nw, ns in (
-            (64, 32, 8, 1), (64, 32, 8, 2), (64, 16, 8, 1), (64, 64, 8, 2),
-            (32, 32, 8, 2), (32, 64, 8, 2),
-            (16, 16, 4, 2), (16, 32, 4, 2), (16, 64, 8, 2),
+        triton.Config({"BLOCK_H": bh, "BLOCK_N": bn, "V_SPLIT": vs}, num_warps=nw, num_stages=ns)
+        for bh, bn, nw, ns, vs in (
+            (64, 32, 8, 1, 1), (64, 32, 8, 2, 1), (64, 16, 8, 1, 1), (64, 64, 8, 2, 1),
+            (32, 32, 8, 2, 1), (32, 64, 8, 2, 1),
+            (16, 16, 4, 2, 1), (16, 32, 4, 2, 1), (16, 64, 8, 2, 1),
+            (64, 32, 8, 2, 2), (64, 64, 8, 2, 2), (16, 64, 4, 2, 2),
         )
     ]
     _sparse_attn_kernel_tuned = triton.autotune(
@@ -494,11 +545,11 @@ if triton is not None:
 # --------------------------------------------------------------------------- launch wrapper
 
 
-def default_num_splits(T: int, Hq: int, n_virtual_keys: int, device: torch.device) -> int:
-    """Split-KV count for small T: as many (row x 64-head group x split) programs as fit in one wave
-    on the SMs, never cutting a row's keys below ``MIN_KEYS_PER_SPLIT``; 1 once the rows fill a wave."""
+def default_num_splits(T: int, Hq: int, n_virtual_keys: int, device: torch.device, v_split: int = 1) -> int:
+    """Split-KV count for small T: as many (row x 64-head group x value half x split) programs as fit in one
+    wave on the SMs, never cutting a row's keys below ``MIN_KEYS_PER_SPLIT``; 1 once the rows fill a wave."""
     sms = sm_count(device)
-    units = T * -(-Hq // 64)
+    units = T * -(-Hq // 64) * v_split
     return max(1, min(sms // units, n_virtual_keys // MIN_KEYS_PER_SPLIT))
 
 
@@ -525,11 +576,11 @@ def smaller_configs(config: dict) -> list[dict]:
 
 
 def plan_splits(T: int, Hq: int, W: int, K: int, device: torch.device,
-                num_splits: int | None = None) -> tuple[int, int, int]:
+                num_splits: int | None = None, v_split: int = 1) -> tuple[int, int, int]:
     """(W_pad, keys_per_split, splits) of the virtual key list [SWA 0..W_pad) + [compressed K)."""
     W_pad = -(-W // SPLIT_ALIGN) * SPLIT_ALIGN
     nv = max(W_pad + K, 1)
-    S = num_splits if num_splits is not None else default_num_splits(T, Hq, W_pad + K, device)
+    S = num_splits if num_splits is not None else default_num_splits(T, Hq, W_pad + K, device, v_split)
     S = max(1, min(S, -(-nv // SPLIT_ALIGN)))
     keys_per_split = -(-(-(-nv // S)) // SPLIT_ALIGN) * SPLIT_ALIGN
     return W_pad, keys_per_split, -(-nv // keys_per_split)  # no empty split
@@ -583,7 +634,12 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
     positions = positions.to(torch.int64).contiguous()
     inv_freq = inv_freq.to(torch.float32).contiguous()
 
-    W_pad, keys_per_split, S = plan_splits(T, Hq, W, K, q.device, num_splits)
+    if config is None and os.environ.get(AUTOTUNE_ENV, "0") != "1":
+        config = default_config(T, Hq)
+    v_split = config.get("V_SPLIT", 1) if config is not None else 1
+    if v_split not in (1, 2) or (v_split == 2 and D % 64):
+        raise ValueError(f"sparse_attn: V_SPLIT must be 1, or 2 with D a multiple of 64, got {v_split} (D={D})")
+    W_pad, keys_per_split, S = plan_splits(T, Hq, W, K, q.device, num_splits, v_split)
     if S > 1:
         part_acc = torch.empty(T, S, Hq, D, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(T, S, Hq, 2, dtype=torch.float32, device=q.device)
@@ -607,8 +663,6 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
     flags = dict(D=D, R=R, HAS_COMP=has_comp, HW_FP8=bool(hw_fp8), DOT_PREC=dot_prec,
                  P_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, SKIP_EMPTY=bool(skip_empty),
                  SWA_ALIGNED=_rows_aligned(swa_cache), COMP_ALIGNED=_rows_aligned(comp_cache), PAIR_IO=pair_io)
-    if config is None and os.environ.get(AUTOTUNE_ENV, "0") != "1":
-        config = default_config(T, Hq)
     if config is not None:
         if SPLIT_ALIGN % config["BLOCK_N"]:
             raise ValueError(f"sparse_attn: BLOCK_N must divide {SPLIT_ALIGN}")
@@ -616,13 +670,14 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
         def launch(cfg: dict) -> None:
             cfg = dict(cfg)
             bh = cfg.pop("BLOCK_H")
-            _sparse_attn_kernel[(T * S * triton.cdiv(Hq, bh),)](*args, BLOCK_H=bh, **flags, **cfg)
+            vs = cfg.pop("V_SPLIT", 1)
+            _sparse_attn_kernel[(T * S * vs * triton.cdiv(Hq, bh),)](*args, BLOCK_H=bh, V_SPLIT=vs, **flags, **cfg)
 
         key = (tuple(sorted(config.items())), tuple(sorted(flags.items())), q.dtype, Hq, S > 1)
         launch_fitting("sparse_attn", launch, smaller_configs(config), key)
     else:
         def grid(meta):
-            return (T * S * triton.cdiv(Hq, meta["BLOCK_H"]),)
+            return (T * S * meta["V_SPLIT"] * triton.cdiv(Hq, meta["BLOCK_H"]),)
         _sparse_attn_kernel_tuned[grid](*args, **flags)
     if S > 1:
         # 16 heads per CTA, fewer while that leaves SMs idle (decode at batch 1: 4 CTAs of 16 heads took
