@@ -424,16 +424,17 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
             variants.append(("default skip_empty", None, None, True))
         if "prompt" not in name:
             # (BLOCK_H, BLOCK_N, warps, stages, V_SPLIT): V_SPLIT 2 = half the value pairs a program
-            cfgs = [(64, 32, 8, 2, 1), (64, 32, 8, 1, 1), (64, 16, 8, 1, 1), (32, 64, 8, 2, 1), (16, 64, 8, 2, 1),
-                    (16, 32, 4, 2, 1), (64, 64, 8, 2, 2), (64, 32, 8, 2, 2), (64, 16, 8, 2, 2), (16, 64, 8, 2, 2),
-                    (16, 32, 8, 2, 2)]
+            cfgs = [(64, 32, 8, 2, 1), (16, 32, 4, 2, 1), (64, 64, 8, 2, 2), (64, 32, 8, 2, 2), (64, 16, 8, 2, 2),
+                    (16, 64, 8, 2, 2), (16, 32, 8, 2, 2)]
             variants += [(f"{bh}/{bn}/{nw}/{ns}/v{vs}",
                           dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=nw, num_stages=ns, V_SPLIT=vs), None, False)
                          for bh, bn, nw, ns, vs in cfgs]
         if T <= 64:
             variants += [(f"default splits={s}", None, s, False) for s in (1, 2, 4, 8) if T * s <= 256]
-            v2 = dict(BLOCK_H=64 if T >= 8 else 16, BLOCK_N=32, num_warps=8, num_stages=2, V_SPLIT=2)
-            variants += [(f"v2 h{v2['BLOCK_H']}n32 splits={s}", v2, s, False) for s in (1, 2, 4, 8) if T * s <= 256]
+            for bn in (32, 64):
+                v2 = dict(BLOCK_H=64 if T >= 8 else 16, BLOCK_N=bn, num_warps=8, num_stages=2, V_SPLIT=2)
+                variants += [(f"v2 h{v2['BLOCK_H']}n{bn} splits={s}", v2, s, False) for s in (1, 2, 4, 8)
+                             if T * s <= 256]
         for vname, cfg, splits, skip in variants:
             try:
                 # int-decode: the records decoded bit by bit instead of the hardware E4M3 conversion

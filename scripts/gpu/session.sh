@@ -21,6 +21,7 @@
 #   scripts/gpu/session.sh sbs builtin     # side-by-side throughput workloads, vLLM's built-in V4.1 (bench config)
 #   scripts/gpu/session.sh sbs plugin      # the same for our plugin (merge: side_by_side.py table plugin.json builtin.json)
 #   scripts/gpu/session.sh sbs stress      # our plugin's no-crash sweep (batch 1..64, prompts up to 64k)
+#   scripts/gpu/session.sh sbs all         # the plugin's throughput workloads and its no-crash sweep, one engine
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=/tmp/site
@@ -102,15 +103,19 @@ case "${1:-}" in
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
     grep -vE "^(\(|INFO|WARNING|\[|USDT)" "$OUT/timeline.log" | tail -100 | cut -c1-200 ;;
   sbs)
-    impl=${2:?builtin, plugin or stress}
+    impl=${2:?builtin, plugin, stress or all}
     # the throughput targets compare the two stacks (one call each: a call may last 10 minutes); the
     # no-crash sweep is the plugin's target only
     args=(--only decode_b1,decode_b16,decode_b64,prefill_32k)
     out="$OUT/sbs"
+    stress=stress_1x65536,stress_8x16384,stress_32x8192,stress_64x4096,stress_64x1024
     if [ "$impl" = stress ]; then
       impl=plugin
       out="$OUT/sbs-stress"
-      args=(--only stress_1x65536,stress_8x16384,stress_32x8192,stress_64x4096,stress_64x1024)
+      args=(--only $stress)
+    elif [ "$impl" = all ]; then  # the plugin's throughput workloads, then its no-crash sweep: one engine start
+      impl=plugin
+      args=(--only decode_b1,decode_b16,decode_b64,prefill_32k,$stress)
     fi
     [ "$impl" = plugin ] && args+=(--plugin-llm-args '{"kv_cache_memory_bytes": 17179869184}')
     timeout 570 python3 benchmarks/e2e/side_by_side.py run --model /tmp/bench --impls "$impl" --out "$out" \

@@ -83,6 +83,9 @@ MIN_KEYS_PER_SPLIT = 64
 """The default split count never cuts a row's keys into ranges shorter than this."""
 SKIP_EMPTY_MIN_ROWS = 256
 """``skip_empty`` is asked for from this many rows (prefill); see :func:`skip_empty_pays`."""
+V_SPLIT_ENV = "VLLM_DSV41_SPARSE_ATTN_V_SPLIT"
+"""``1`` (default) or ``2``: the value-pair split of :func:`default_config` (``V_SPLIT``: 2 = each program owns half
+the value pairs and computes the logits over all of them)."""
 AUTOTUNE_ENV = "VLLM_DSV41_AUTOTUNE"
 """1: the Triton autotuner picks the launch config per shape key (else :func:`default_config`)."""
 _REF_ROW_CHUNK = 64
@@ -560,7 +563,15 @@ def default_config(T: int, Hq: int) -> dict:
     engine compiles and times nine variants for every new (T bucket, K, splits) key: minutes of stalls
     on the first steps of a server."""
     bh = 16 if T < 8 or Hq < 64 else 64
-    return {"BLOCK_H": bh, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_H": bh, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "V_SPLIT": v_split()}
+
+
+def v_split() -> int:
+    """``VLLM_DSV41_SPARSE_ATTN_V_SPLIT``, checked (1 or 2)."""
+    v = os.environ.get(V_SPLIT_ENV, "1").strip() or "1"
+    if v not in ("1", "2"):
+        raise ValueError(f"{V_SPLIT_ENV}={v!r}: expected 1 or 2")
+    return int(v)
 
 
 def smaller_configs(config: dict) -> list[dict]:
