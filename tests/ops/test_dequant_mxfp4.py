@@ -93,7 +93,9 @@ def _kernel_vs_ref(shape, device):
     fp8 = torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
     _dequant_mxfp4_fp8_triton(w, s, formats.mxfp4_row_exponents(s), fp8)
     want8 = formats.mxfp4_to_fp8_rows(w, s)[0]
-    differ = fp8.view(torch.uint8) != want8.view(torch.uint8)
+    # bytes, except that a zero may carry either sign (on the H200 some values that round to zero from below come out
+    # +0 where the reference writes -0: 20,149,405 such bytes at (32, 5120, 2304), no other difference; session 16)
+    differ = (fp8.view(torch.uint8) != want8.view(torch.uint8)) & ~((fp8.float() == 0) & (want8.float() == 0))
     if device == "cpu":  # the interpreter (Triton 3.9) truncates into E4M3's subnormals whatever the rounding mode
         rows = formats.mxfp4_row_exponents(s).unsqueeze(-1)  # asked for: compare the values that need no rounding
         differ &= (s.to(torch.int32) >= rows - formats.MXFP4_FP8_HEADROOM - 6).repeat_interleave(32, -1)

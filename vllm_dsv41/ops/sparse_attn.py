@@ -51,6 +51,11 @@ power-of-two bucket of T; ``VLLM_DSV41_AUTOTUNE=1``) or a pinned ``config``; the
 split count (``default_num_splits``: one wave of 64-head programs); ``hw_fp8`` (hardware E4M3
 conversion or integer decoding).  With BLOCK_H = 64 the fp32 accumulator alone is 128 registers
 per thread at 8 warps, so the kernel runs one CTA per SM.
+
+``V_SPLIT = 2`` (a launch-config key, not a default): two programs per (row, split, head group), each owning
+half of the value pairs (the logits still run over all of them, so each decodes the whole key tile).  It halves
+the accumulator a program holds; measured on the H200 (docs/benchmarks.md session 16) it did not pay: the sm_90
+build still spills, and the doubled key decoding cancels the gain (decode T = 64: 66.1 against 64.1 µs).
 """
 
 from __future__ import annotations
@@ -83,9 +88,6 @@ MIN_KEYS_PER_SPLIT = 64
 """The default split count never cuts a row's keys into ranges shorter than this."""
 SKIP_EMPTY_MIN_ROWS = 256
 """``skip_empty`` is asked for from this many rows (prefill); see :func:`skip_empty_pays`."""
-V_SPLIT_ENV = "VLLM_DSV41_SPARSE_ATTN_V_SPLIT"
-"""``1`` (default) or ``2``: the value-pair split of :func:`default_config` (``V_SPLIT``: 2 = each program owns half
-the value pairs and computes the logits over all of them)."""
 AUTOTUNE_ENV = "VLLM_DSV41_AUTOTUNE"
 """1: the Triton autotuner picks the launch config per shape key (else :func:`default_config`)."""
 _REF_ROW_CHUNK = 64
@@ -536,7 +538,6 @@ if triton is not None:
             (64, 32, 8, 1, 1), (64, 32, 8, 2, 1), (64, 16, 8, 1, 1), (64, 64, 8, 2, 1),
             (32, 32, 8, 2, 1), (32, 64, 8, 2, 1),
             (16, 16, 4, 2, 1), (16, 32, 4, 2, 1), (16, 64, 8, 2, 1),
-            (64, 32, 8, 2, 2), (64, 64, 8, 2, 2), (16, 64, 4, 2, 2),
         )
     ]
     _sparse_attn_kernel_tuned = triton.autotune(
@@ -563,15 +564,7 @@ def default_config(T: int, Hq: int) -> dict:
     engine compiles and times nine variants for every new (T bucket, K, splits) key: minutes of stalls
     on the first steps of a server."""
     bh = 16 if T < 8 or Hq < 64 else 64
-    return {"BLOCK_H": bh, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "V_SPLIT": v_split()}
-
-
-def v_split() -> int:
-    """``VLLM_DSV41_SPARSE_ATTN_V_SPLIT``, checked (1 or 2)."""
-    v = os.environ.get(V_SPLIT_ENV, "1").strip() or "1"
-    if v not in ("1", "2"):
-        raise ValueError(f"{V_SPLIT_ENV}={v!r}: expected 1 or 2")
-    return int(v)
+    return {"BLOCK_H": bh, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
 
 
 def smaller_configs(config: dict) -> list[dict]:
