@@ -411,6 +411,7 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
     import bench_sparse_attn as bsa
 
     from vllm_dsv41.ops import sparse_attn as sa
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
 
     print("\nsparse_attn: Hq=64 D=512 W=128 K=512, bf16 q; MB = each distinct record once + q + out")
     cases = [(f"decode T={t}", bsa.decode_case(t, t)) for t in tokens]
@@ -435,6 +436,13 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
                 v2 = dict(BLOCK_H=64 if T >= 8 else 16, BLOCK_N=bn, num_warps=8, num_stages=2, V_SPLIT=2)
                 variants += [(f"v2 h{v2['BLOCK_H']}n{bn} splits={s}", v2, s, False) for s in (1, 2, 4, 8)
                              if T * s <= 256]
+        if T < sag.MIN_ROWS and sag.flashmla_sparse_fwd() is not None:
+            # the decode-rows route (VLLM_DSV41_DECODE_ATTN=flashmla): each row's keys gathered, FlashMLA's kernel
+            try:
+                total, per = kernel_us(lambda: sag.sparse_attn_rows(*bsa._args(c)), iters)
+                report(f"{name} flashmla rows", ubytes, total, per)
+            except Exception as exc:
+                print(f"{name} flashmla rows: {type(exc).__name__}: {str(exc)[:120]}")
         for vname, cfg, splits, skip in variants:
             try:
                 # int-decode: the records decoded bit by bit instead of the hardware E4M3 conversion

@@ -174,6 +174,34 @@ def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
 
 
 
+def test_decode_rows_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
+    """The decode-rows route (``sparse_attn_gathered.sparse_attn_rows``: each row's own keys gathered, FlashMLA's
+    kernel; ``VLLM_DSV41_DECODE_ATTN=flashmla`` on a GPU) wired into the model, forced for every step with the CPU
+    stand-in of the kernel: exact mode equals the reference token for token, default mode (pruned decoder rows) the
+    pruned reference."""
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
+
+    calls = []
+
+    def kernel(*a, **kw):
+        calls.append(a[0].shape[0])
+        return sag.sparse_fwd_ref(*a, **kw)
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    monkeypatch.setattr(sag, "applies", lambda q, rows: False)
+    monkeypatch.setattr(sag, "applies_rows", lambda q, rows: True)
+    monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: kernel)
+    with engine(tiny_ckpt, exact=True) as llm:
+        outs = _generate(llm, prompts)
+    assert calls, "the decode-rows path did not run"
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS)[0], f"prompt of {len(p)} tokens"
+    with engine(tiny_ckpt, exact=False, max_num_batched_tokens=4096) as llm:
+        outs = _generate(llm, prompts)
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS, prune=True)[0]
+
+
 def test_gathered_path_failure_falls_back_to_sparse_attn(tiny_ckpt, tiny_model, prompts, monkeypatch):
     """A FlashMLA kernel that refuses a step (here: raises) costs no request: the step is served through
     ``sparse_attn`` (tokens equal the reference), the path is switched off for the process and the log says why
@@ -200,7 +228,7 @@ def test_gathered_path_failure_falls_back_to_sparse_attn(tiny_ckpt, tiny_model, 
     finally:
         sag.logger.removeHandler(handler)
     assert len(calls) == 1 and sag._switched_off.startswith("RuntimeError: the chosen implementation")
-    assert sum("FlashMLA prefill attention failed" in r.getMessage() for r in records) == 1
+    assert sum("FlashMLA attention on gathered keys failed" in r.getMessage() for r in records) == 1
     for p, o in zip(prompts[:3], outs):
         assert list(o.outputs[0].token_ids) == tiny_model.generate(p, MAX_TOKENS)[0], f"prompt of {len(p)} tokens"
 

@@ -4,11 +4,13 @@ FlashMLA's kernel) against ``sparse_attn_ref``, on caches laid out as the engine
 from __future__ import annotations
 
 import math
+import os
+import sys
 
 import pytest
 import torch
 
-from tests.ops.conftest import requires_cuda
+from tests.ops.conftest import requires_cuda, run_under_interpreter, sm90_build
 from tests.ops.test_sparse_attn import _args, random_case
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import sparse_attn as sa
@@ -198,3 +200,132 @@ def test_cuda_flashmla_kernel_real_sizes(T):
     err = ((got.float().cpu() - ref).norm() / ref.norm()).item()
     print(f"flashmla gathered T={T}: rel err {err:.2e}")
     assert err < 1e-2
+
+
+# --------------------------------------------------------------------------- decode rows: each row's own keys
+
+
+def _row_case(T, W, K, seed, dtype=torch.float32):
+    c = random_case(T, 8, 64, 16, W, K, seed=seed, dtype=dtype, swa_pool=300, comp_pool=200, holes=0.1)
+    return c
+
+
+@pytest.mark.parametrize("K", [30, None], ids=["both", "swa-only"])
+def test_row_keys_ref_lands_every_listed_record(K):
+    """Row t's listed records sit decoded at rows t * N + j of the workspace, its index list points at them, a slot
+    of -1 (and the padding to INDEX_ALIGN) at nothing."""
+    c = _row_case(5, 20, K, seed=2)
+    keys, idx = sag.row_keys_ref(c["swa_cache"], c["swa_slots"], c["comp_cache"], c["comp_slots"], 64)
+    T, W = c["swa_slots"].shape
+    N = sag.INDEX_ALIGN
+    assert keys.shape == (T * N, 1, 64) and keys.dtype == torch.bfloat16
+    assert idx.shape == (T, 1, N) and idx.dtype == torch.int32
+    lists = [(c["swa_slots"], c["swa_cache"], 0, formats.decode_mxfp8_record)]
+    if K:
+        lists.append((c["comp_slots"], c["comp_cache"], W, formats.decode_nvfp4_record))
+    for slots, cache, c0, dec in lists:
+        for t in range(T):
+            for j, slot in enumerate(slots[t].tolist()):
+                row = idx[t, 0, c0 + j].item()
+                if slot < 0:
+                    assert row == -1
+                else:
+                    assert row == t * N + c0 + j
+                    assert torch.equal(keys[row, 0].float(), dec(cache[slot:slot + 1], 64)[0])
+    used = W + (K or 0)
+    assert (idx[:, 0, used:] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rows_path_equals_sparse_attn_ref(dtype):
+    """The decode-rows route with the float64 stand-in kernel computes ``sparse_attn_ref``'s result (fp32 q: the same
+    bits; bf16 q: within the output's bf16 rounding before the inverse RoPE)."""
+    c = _row_case(7, 20, 30, seed=4, dtype=dtype)
+    ref = sa.sparse_attn_ref(*_args(c))
+    got = sag.sparse_attn_rows(c["q"], c["swa_cache"], c["swa_slots"], c["comp_cache"], c["comp_slots"], c["sink"],
+                               c["scale"], c["positions"], c["inv_freq"], kernel=sag.sparse_fwd_ref)
+    assert got.dtype == dtype and got.shape == ref.shape
+    if dtype == torch.float32:
+        assert torch.equal(got, ref)
+    else:
+        torch.testing.assert_close(got.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_applies_rows_only_when_asked(monkeypatch):
+    q = torch.zeros(64, 64, 512, dtype=torch.bfloat16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
+    monkeypatch.delenv(sag.DECODE_ENV, raising=False)
+    assert not sag.applies_rows(q, 64)                                # off by default
+    monkeypatch.setenv(sag.DECODE_ENV, "flashmla")
+    assert sag.applies_rows(q, 64) and sag.applies_rows(q, sag.DECODE_MIN_ROWS)
+    assert not sag.applies_rows(q, sag.DECODE_MIN_ROWS - 1)           # too few rows for the SMs
+    assert not sag.applies_rows(q, sag.MIN_ROWS)                      # prefill: the block plans' route
+    assert not sag.applies_rows(q.float(), 64)
+    monkeypatch.setenv(sag.DECODE_ENV, "FlashMLA ")
+    assert sag.applies_rows(q, 64)
+    monkeypatch.setenv(sag.DECODE_ENV, "flash")
+    with pytest.raises(ValueError, match="VLLM_DSV41_DECODE_ATTN='flash'"):
+        sag.applies_rows(q, 64)
+
+
+def _row_keys_interpreter_case() -> None:
+    """The Triton kernel (interpreter) against the reference, byte for byte on the listed rows, both kinds, ragged
+    tiles, int32 and int64 slot lists."""
+    for T, W, K, seed in ((3, 20, 30, 7), (2, 17, None, 8)):
+        c = _row_case(T, W, K, seed=seed)
+        if seed == 8:
+            c["swa_slots"] = c["swa_slots"].long()
+        want_k, want_i = sag.row_keys_ref(c["swa_cache"], c["swa_slots"], c["comp_cache"], c["comp_slots"], 64)
+        got_k, got_i = sag._row_keys_triton(c["swa_cache"], c["swa_slots"], c["comp_cache"], c["comp_slots"], 64,
+                                            hw_fp8=False)
+        assert torch.equal(got_i, want_i), "indices differ"
+        rows = want_i.flatten()
+        rows = rows[rows >= 0].long()
+        assert torch.equal(got_k[rows], want_k[rows]), "decoded keys differ"
+
+
+def test_row_keys_kernel_builds_for_sm90_without_spills():
+    """Without a GPU: the gather kernel at the production width (D 512, 16 keys a program, 4 warps) compiles for sm_90
+    with no spilled registers, for both record kinds (measured: 70 and 88 registers)."""
+    k = sa._row_keys_kernel
+    for kind in (0, 1):
+        consts = {"KIND": kind, "D": 512, "BLOCK_N": sag.ROW_KEYS_BLOCK, "HW_FP8": True, "ALIGNED": True}
+        ptrs = {"rec8_ptr": "*u8", "rec16_ptr": "*i16" if kind == 0 else "*u8", "slot_ptr": "*i32",
+                "out_ptr": "*bf16", "idx_ptr": "*i32"}
+        sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in k.arg_names}
+        got = sm90_build(k, sig, consts, 4, 1)
+        assert got["stack"] == 0, (kind, got)
+
+
+def test_row_keys_triton_interpreter():
+    run_under_interpreter(["-m", "tests.ops.test_sparse_attn_gathered", "--interpret"])
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [16, 64])
+def test_cuda_rows_path_real_sizes(T):
+    """The decode-rows route with vLLM's FlashMLA kernel at the production sizes against the reference (skipped where
+    FlashMLA does not import), and its gather kernel byte for byte against ``row_keys_ref``."""
+    c = random_case(T, 64, 512, 64, 128, 512, seed=T, dtype=torch.bfloat16, swa_pool=4096, comp_pool=8192,
+                    holes=0.02, device="cuda")
+    want_k, want_i = sag.row_keys_ref(c["swa_cache"], c["swa_slots"], c["comp_cache"], c["comp_slots"], 512)
+    got_k, got_i = sag.row_keys(c["swa_cache"], c["swa_slots"], c["comp_cache"], c["comp_slots"], 512)
+    rows = want_i.flatten()
+    rows = rows[rows >= 0].long()
+    assert torch.equal(got_i, want_i) and torch.equal(got_k[rows], want_k[rows])
+    if sag.flashmla_sparse_fwd() is None:
+        pytest.skip("vLLM's FlashMLA is not importable here")
+    ref = sa.sparse_attn_ref(*_args(c)).float()
+    got = sag.sparse_attn_rows(*_args(c)[:9])
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    print(f"flashmla decode rows T={T}: rel err {err:.2e}")
+    assert err < 1e-2
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
+    _row_keys_interpreter_case()
+    print("  ok row_keys kernel (interpreter) equals row_keys_ref")
+    sys.exit(0)

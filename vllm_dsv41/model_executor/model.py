@@ -400,9 +400,18 @@ class Attention(nn.Module):
                 lambda: step.group(src.comp_cache.prefix).slots_of(
                     req, step.scratch[("topk_ids", plan.index_source)], src.comp_cache.flat_rows()[1:]))
             comp_cache = src.comp_cache.flat_rows()[0]
+        route = None
         if (not in_static_step() or step.gathers_when_static) and sparse_attn_gathered.applies(q, q.shape[0]):
-            try:
+            def route():
                 return self._attend_gathered(step, q, pos, req, floors, src, comp_slots)
+        elif sparse_attn_gathered.applies_rows(q, q.shape[0]):
+            def route():
+                return sparse_attn_gathered.sparse_attn_rows(
+                    q, self.swa_cache.flat_rows()[0], self._swa_slots(step, pos, req, floors), comp_cache,
+                    comp_slots, self.attn_sink, cfg.head_dim ** -0.5, pos, self.inv_freq)
+        if route is not None:  # FlashMLA's kernel on gathered bf16 keys
+            try:
+                return route()
             except Exception as exc:  # noqa: BLE001 - a kernel that refuses the step: serve it the other way
                 if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                     raise  # a failed capture leaves those steps eager (graphs._GraphSet._capture), the path on
@@ -863,6 +872,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.bounded_replay = not exact_mode()
         self.ops_mode = ops_mode()
         sparse_attn_gathered.mode()  # a misspelt VLLM_DSV41_PREFILL_ATTN fails the engine start, not a request
+        sparse_attn_gathered.decode_mode()  # the same for VLLM_DSV41_DECODE_ATTN
         mhc_op.gemm_from()  # the same for VLLM_DSV41_MHC_GEMM_FROM
         cfg = self.cfg
         self.weights = WeightFormat.choose(exact_mode())

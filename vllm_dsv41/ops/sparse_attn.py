@@ -282,6 +282,28 @@ if triton is not None:
         return _nvfp4_part(rec8_ptr, row8, slots, valid, 0, D // 2, D, BLOCK_N, HW_FP8, ALIGNED)
 
     @triton.jit
+    def _row_keys_kernel(rec8_ptr, rec16_ptr, row8, row16, slot_ptr, stride_st, n_cols, col0, out_ptr, idx_ptr, N,
+                         KIND: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr,
+                         ALIGNED: tl.constexpr):
+        """``sparse_attn_gathered.row_keys``: the records row t lists in ``slot_ptr`` [T, n_cols] (KIND 0: MXFP8,
+        1: NVFP4), decoded to bf16 into workspace rows t * N + col0 + n, and those rows' numbers into ``idx_ptr``
+        [T, N] (-1 for a slot of -1)."""
+        t = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = n < n_cols
+        slots = tl.load(slot_ptr + t * stride_st + n, mask=inside, other=-1).to(tl.int64)
+        valid = slots >= 0
+        if KIND == 0:
+            k_e, k_o = _mxfp8_part(rec8_ptr, rec16_ptr, row8, row16, slots, valid, 0, D // 2, D, BLOCK_N, HW_FP8,
+                                   ALIGNED)
+        else:
+            k_e, k_o = _nvfp4_part(rec8_ptr, row8, slots, valid, 0, D // 2, D, BLOCK_N, HW_FP8, ALIGNED)
+        v = tl.reshape(tl.join(k_e, k_o), (BLOCK_N, D)).to(tl.bfloat16)  # pairs back in element order
+        row = t * N + col0 + n
+        tl.store(out_ptr + row[:, None] * D + tl.arange(0, D)[None, :], v, mask=inside[:, None])
+        tl.store(idx_ptr + row, tl.where(valid, row, -1).to(tl.int32), mask=inside)
+
+    @triton.jit
     def _qk(q_e, q_o, k_e, k_o, s, DOT_PREC: tl.constexpr):
         """s + q·k^T over one block of pairs: q_* [H, P], k_* [N, P] -> [H, N] fp32."""
         s = tl.dot(q_e, tl.trans(k_e), s, input_precision=DOT_PREC)

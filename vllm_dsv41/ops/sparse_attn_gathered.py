@@ -19,9 +19,15 @@ Same maths and arguments as ``dsv41::sparse_attn`` (:mod:`vllm_dsv41.ops.sparse_
 Why (H200, docs/benchmarks.md session 10): at 4,096 prefill rows FlashMLA's kernel took 654 µs against
 ``sparse_attn``'s 2,752 on the records; end to end, with the gather, a 32k prompt's prefill went from 1.70 to
 1.54 s.  So it is the default for prefill-sized steps where it applies (``VLLM_DSV41_PREFILL_ATTN=auto``);
-``sparse_attn`` keeps decode (the gather would copy every row's keys) and is the comparison path
-(``VLLM_DSV41_PREFILL_ATTN=sparse_attn``).  On CPU (tests) ``kernel`` is :func:`sparse_fwd_ref`, a float64
-stand-in with the kernel's contract.
+``sparse_attn`` keeps decode by default and is the comparison path (``VLLM_DSV41_PREFILL_ATTN=sparse_attn``).
+On CPU (tests) ``kernel`` is :func:`sparse_fwd_ref`, a float64 stand-in with the kernel's contract.
+
+**Decode rows** (``VLLM_DSV41_DECODE_ATTN=flashmla``, off by default until measured): rows share no keys there, so
+instead of a block plan each row's own listed records are decoded into its own stretch of the workspace
+(:func:`row_keys`: one Triton program per row and tile of keys, the record decoders of ``sparse_attn``) and the same
+FlashMLA kernel runs on them (:func:`sparse_attn_rows`).  Why try it: at 64 decode rows ``sparse_attn`` takes 64 µs
+a layer (register spills), while FlashMLA's kernel does a 640-key row in ~21 µs on one SM (session 10's 4,096-row
+figure); the gather writes ~42 MB at 64 rows.
 """
 
 from __future__ import annotations
@@ -47,7 +53,15 @@ READBACK_ENV = "VLLM_DSV41_PLAN_READBACK"
 """``1``: gather plans read their block list back with ``nonzero`` (a host read per plan, session 11's behaviour,
 for comparison) instead of sizing it by the host-side bound."""
 MIN_ROWS = 256
-"""Steps with fewer attention rows (decode) keep ``sparse_attn``."""
+"""Steps with fewer attention rows (decode) keep ``sparse_attn`` (or take :func:`sparse_attn_rows`)."""
+DECODE_ENV = "VLLM_DSV41_DECODE_ATTN"
+"""``sparse_attn`` (default) or ``flashmla``: steps of ``DECODE_MIN_ROWS`` to ``MIN_ROWS`` - 1 rows through
+:func:`sparse_attn_rows`."""
+DECODE_MODES = ("sparse_attn", "flashmla")
+DECODE_MIN_ROWS = 16
+"""Fewer rows would leave most SMs idle in FlashMLA's kernel (one CTA a row): they keep ``sparse_attn``'s split-KV."""
+ROW_KEYS_BLOCK = 16
+"""Keys a program of :func:`row_keys`' kernel decodes."""
 INDEX_ALIGN = 128
 """The combined index lists are padded with -1 to a multiple of this (as vLLM pads them for the kernel)."""
 FLASHMLA_HEADS = (64, 128)
@@ -166,13 +180,29 @@ def applies(q: torch.Tensor, rows: int) -> bool:
             and flashmla_sparse_fwd() is not None)
 
 
+def decode_mode() -> str:
+    """``VLLM_DSV41_DECODE_ATTN``, checked."""
+    m = os.environ.get(DECODE_ENV, "sparse_attn").strip().lower() or "sparse_attn"
+    if m not in DECODE_MODES:
+        raise ValueError(f"{DECODE_ENV}={m!r}: expected one of {', '.join(DECODE_MODES)}")
+    return m
+
+
+def applies_rows(q: torch.Tensor, rows: int) -> bool:
+    """Whether decode-sized steps go through :func:`sparse_attn_rows`: asked for (``VLLM_DSV41_DECODE_ATTN``),
+    ``DECODE_MIN_ROWS`` to ``MIN_ROWS`` - 1 rows, and what :func:`applies` asks of q and the GPU."""
+    return (DECODE_MIN_ROWS <= rows < MIN_ROWS and decode_mode() == "flashmla" and q.is_cuda
+            and q.dtype == torch.bfloat16 and q.shape[-1] == 512 and q.shape[1] in FLASHMLA_HEADS
+            and _switched_off is None and flashmla_sparse_fwd() is not None)
+
+
 def switch_off(exc: BaseException) -> None:
     """After the path failed on a step (the model then serves it through ``sparse_attn``): no more steps here in
     this process, said once in the log."""
     global _switched_off
     if _switched_off is None:
         _switched_off = f"{type(exc).__name__}: {exc}"
-        logger.warning("vllm-dsv41: FlashMLA prefill attention failed (%s); prefill attention runs through "
+        logger.warning("vllm-dsv41: FlashMLA attention on gathered keys failed (%s); attention runs through "
                        "dsv41::sparse_attn from now on", _switched_off, exc_info=exc)
 
 
@@ -208,5 +238,89 @@ def sparse_attn_gathered(q: torch.Tensor, swa_flat: torch.Tensor, swa_plan: Gath
     kernel = kernel or flashmla_sparse_fwd()
     out = kernel(q.contiguous(), kv, idx, scale, D, attn_sink=sink.float().contiguous())[0]
     out = out.to(q.dtype)  # the kernel's fresh output: rotated back in place
+    rope_op.rope_(out, -positions, inv_freq)
+    return out
+
+
+# --------------------------------------------------------------------------- decode rows: each row's own keys
+
+
+def row_keys_ref(swa_cache: torch.Tensor, swa_slots: torch.Tensor, comp_cache: torch.Tensor | None,
+                 comp_slots: torch.Tensor | None, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys [T * N, 1, D] bf16, indices [T, 1, N] int32): row t's SWA records then its compressed ones decoded
+    into rows t * N .. t * N + W + K of the workspace (N = W + K padded to ``INDEX_ALIGN``), and each listed slot's
+    workspace row in ``indices`` (-1 where the list has -1 and in the padding; those workspace rows hold zeros)."""
+    T, W = swa_slots.shape
+    K = comp_slots.shape[1] if comp_slots is not None else 0
+    N = -(-(W + K) // INDEX_ALIGN) * INDEX_ALIGN
+    keys = torch.zeros(T, N, D, dtype=torch.bfloat16, device=swa_slots.device)
+    valid = torch.zeros(T, N, dtype=torch.bool, device=swa_slots.device)
+    parts = [(swa_cache, swa_slots, 0, formats.decode_mxfp8_record)]
+    if comp_slots is not None:
+        parts.append((comp_cache, comp_slots, W, formats.decode_nvfp4_record))
+    for cache, slots, c0, decode in parts:
+        ok = slots >= 0
+        rec = cache[torch.where(ok, slots, 0).long().flatten()]
+        dec = decode(rec, D).reshape(T, slots.shape[1], D)
+        keys[:, c0:c0 + slots.shape[1]] = torch.where(ok[..., None], dec, 0.0).to(torch.bfloat16)
+        valid[:, c0:c0 + slots.shape[1]] = ok
+    rows = torch.arange(T * N, device=swa_slots.device, dtype=torch.int32).view(T, N)
+    return keys.view(T * N, 1, D), torch.where(valid, rows, -1).unsqueeze(1)
+
+
+def row_keys(swa_cache: torch.Tensor, swa_slots: torch.Tensor, comp_cache: torch.Tensor | None,
+             comp_slots: torch.Tensor | None, D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`row_keys_ref`'s result; on a GPU (or under Triton's interpreter) one kernel launch per record kind
+    (the keys' rows for padding columns are left unwritten: no index points at them)."""
+    from vllm_dsv41.ops import triton_available
+    from vllm_dsv41.ops._triton import interpreting
+
+    if not (swa_slots.is_cuda and triton_available()) and not interpreting():
+        return row_keys_ref(swa_cache, swa_slots, comp_cache, comp_slots, D)
+    return _row_keys_triton(swa_cache, swa_slots, comp_cache, comp_slots, D)
+
+
+def _row_keys_triton(swa_cache, swa_slots, comp_cache, comp_slots, D: int, hw_fp8: bool | None = None):
+    import triton
+
+    from vllm_dsv41.ops import sparse_attn as sa
+    from vllm_dsv41.ops._triton import hw_fp8 as _hw_fp8
+
+    T, W = swa_slots.shape
+    K = comp_slots.shape[1] if comp_slots is not None else 0
+    N = -(-(W + K) // INDEX_ALIGN) * INDEX_ALIGN
+    dev = swa_slots.device
+    keys = torch.empty(T * N, 1, D, dtype=torch.bfloat16, device=dev)
+    idx = torch.full((T, 1, N), -1, dtype=torch.int32, device=dev)
+    hw = _hw_fp8(swa_slots) if hw_fp8 is None else hw_fp8
+    parts = [(swa_cache, swa_slots, 0, 0)]
+    if comp_slots is not None:
+        parts.append((comp_cache, comp_slots, W, 1))
+    for cache, slots, c0, kind in parts:
+        if slots.shape[1] == 0 or T == 0:
+            continue
+        cache = cache if cache.stride(1) == 1 else cache.contiguous()
+        slots = sa._slot_list(slots)
+        slots = slots if slots.stride(1) == 1 else slots.contiguous()
+        rec16 = cache.view(torch.int16) if kind == 0 else cache
+        grid = (T, triton.cdiv(slots.shape[1], ROW_KEYS_BLOCK))
+        sa._row_keys_kernel[grid](cache, rec16, cache.stride(0), rec16.stride(0), slots, slots.stride(0),
+                                  slots.shape[1], c0, keys, idx, N, KIND=kind, D=D, BLOCK_N=ROW_KEYS_BLOCK,
+                                  HW_FP8=bool(hw), ALIGNED=sa._rows_aligned(cache), num_warps=4)
+    return keys, idx
+
+
+def sparse_attn_rows(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: torch.Tensor,
+                     comp_cache: torch.Tensor | None, comp_slots: torch.Tensor | None, sink: torch.Tensor,
+                     scale: float, positions: torch.Tensor, inv_freq: torch.Tensor, kernel=None) -> torch.Tensor:
+    """``sparse_attn`` (same arguments: the caches as flat record views, the slot lists) through FlashMLA's kernel
+    (or ``kernel``) on each row's own decoded keys (:func:`row_keys`), inverse RoPE included."""
+    from vllm_dsv41.ops import rope as rope_op
+
+    D = q.shape[-1]
+    keys, idx = row_keys(swa_cache, swa_slots, comp_cache, comp_slots, D)
+    kernel = kernel or flashmla_sparse_fwd()
+    out = kernel(q.contiguous(), keys, idx, scale, D, attn_sink=sink.float().contiguous())[0]
+    out = out.to(q.dtype)
     rope_op.rope_(out, -positions, inv_freq)
     return out
