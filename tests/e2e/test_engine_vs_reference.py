@@ -331,11 +331,11 @@ class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
         return True
 
 
-def probe_static_steps(monkeypatch) -> _HostReads:
-    """Run every static decode step's model forward under a fresh :class:`_HostReads` (returned)."""
+def probe_static_steps(monkeypatch, probe: _HostReads | None = None) -> _HostReads:
+    """Run every static decode step's model forward under ``probe`` (default a fresh :class:`_HostReads`; returned)."""
     from vllm_dsv41.model_executor import graphs
 
-    probe, run = _HostReads(), graphs.DecodeGraphs.run
+    probe, run = probe or _HostReads(), graphs.DecodeGraphs.run
 
     def run_probed(self, *a, **k):
         model = self.run_model
@@ -434,6 +434,34 @@ def test_padded_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
     # a cache-record code at a rounding midpoint can flip between 6- and 8-row sums (on an AVX2 CPU one prompt's
     # logits moved by 1.5e-3 from its first decode step on); a padding fault moves them by far more
     assert worst < 1e-2
+
+
+def test_decode_rows_in_static_decode_steps(tiny_ckpt, prompts, monkeypatch):
+    """The decode-rows route (``sparse_attn_gathered.sparse_attn_rows``, forced, the CPU stand-in of FlashMLA's
+    kernel) inside the padded static decode steps that CUDA captures: the route runs there, the tokens equal the eager
+    run's, and nothing but the CPU stand-ins reads a device value on the host."""
+    from vllm_dsv41.model_executor import graphs
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
+
+    static_calls = []
+
+    def kernel(*a, **kw):
+        static_calls.append(graphs.in_static_step())
+        return sag.sparse_fwd_ref(*a, **kw)
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    monkeypatch.setattr(sag, "applies", lambda q, rows: False)
+    monkeypatch.setattr(sag, "applies_rows", lambda q, rows: True)
+    monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: kernel)
+    probe = probe_static_steps(monkeypatch, _CudaPathHostReads())
+    tokens = {}
+    for mode in ("0", "static"):
+        monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", mode)
+        with engine(tiny_ckpt, exact=True, max_num_seqs=6) as llm:
+            tokens[mode] = [list(o.outputs[0].token_ids) for o in _generate(llm, prompts)]
+    assert any(static_calls), "the route did not run inside a static decode step"
+    assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
+    assert tokens["0"] == tokens["static"]
 
 
 @pytest.mark.parametrize("attn", ["sparse_attn", "gathered"])
