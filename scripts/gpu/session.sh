@@ -13,6 +13,8 @@
 #   scripts/gpu/session.sh w8a8            # W8A8 FP8 GEMMs from vLLM / torch vs bf16 cuBLAS at the dense shapes
 #   scripts/gpu/session.sh fp8moe          # the FP8 prefill MoE, the side stream, mHC on bf16 streams: CUDA tests,
 #                                          # then fp8_moe's tiles vs ogs
+#   scripts/gpu/session.sh decode_attn     # the decode-rows route (FlashMLA on each row's gathered keys): CUDA tests,
+#                                          # kernel times against sparse_attn at 16 and 64 rows
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -98,6 +100,17 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only moe_fp8 --prefill 2048 4096 16384 --iters 5) \
       > "$OUT/moe-fp8.log" 2>&1
     grep -vE "^(USDT|  |INFO|WARNING)|Warning" "$OUT/moe-fp8.log" | cut -c1-200 | tail -30 ;;
+  decode_attn)
+    # the decode-rows route (VLLM_DSV41_DECODE_ATTN=flashmla): its CUDA tests and the two tests edited after session
+    # 16's run, then its kernel times against sparse_attn's at 16 and 64 decode rows
+    timeout 240 python3 -m pytest -q -s -p no:cacheprovider tests/ops/test_sparse_attn_gathered.py \
+      tests/ops/test_dequant_mxfp4.py > "$OUT/decode-attn-tests.log" 2>&1
+    timeout 150 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py -k fp8_moe \
+      >> "$OUT/decode-attn-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error|rel err" "$OUT/decode-attn-tests.log" | tail -20
+    (cd benchmarks/ops && timeout 200 python3 kernel_times.py --only sparse_attn --tokens 16 64 --prefill --iters 20) \
+      > "$OUT/decode-attn-times.log" 2>&1
+    grep -E "^decode" "$OUT/decode-attn-times.log" | cut -c1-160 ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1
@@ -122,5 +135,5 @@ case "${1:-}" in
       --timeout-per-impl 550 "${args[@]}" > "$out.log" 2>&1
     grep -hE "^\[$impl\]" "$out"/"$impl"*.log | cut -c1-400
     cat "$out/table.md" 2>/dev/null | head -24 ;;
-  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | ogs_prefill | ogs_flags | moe_bf16 | w8a8 | fp8moe | timeline | profile | sbs builtin|plugin|stress" >&2; exit 2 ;;
+  *) echo "usage: $0 ops | tests | bench | kernels | attn | paths | ogs | ogs_prefill | ogs_flags | moe_bf16 | w8a8 | fp8moe | decode_attn | timeline | profile | sbs builtin|plugin|stress|all" >&2; exit 2 ;;
 esac
