@@ -13,7 +13,8 @@ at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``tr
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
 ``ogs_flags`` (that MoE under triton_kernels' opt-flag constraints at ``--tokens`` and ``--prefill``),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
-``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``),
+``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``), ``dequant``
+(its MXFP4 -> FP8 conversion under a tile sweep),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
@@ -347,6 +348,33 @@ FP8_MOE_SWEEP = ((128, 256, 128, 1, 8, 3), (128, 128, 128, 1, 8, 4), (128, 256, 
 """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, warps, stages) tried by ``--only moe_fp8``; the first is ``FP8_MOE_TILES``."""
 
 
+DEQUANT_TILES = ((16, 128, 4), (16, 256, 4), (32, 128, 4), (32, 256, 8), (8, 512, 4), (64, 64, 4))
+"""(BLOCK_R, BLOCK_C packed bytes, warps) tried by ``--only dequant``; the first is the module's default."""
+
+
+def section_dequant(iters: int) -> None:
+    """``dsv41::dequant_mxfp4_fp8`` (the FP8 prefill MoE's conversion) on one layer's bench experts (w13 and w2 of
+    32 experts), under a tile sweep: µs a call and the achieved fraction of the HBM bandwidth (MXFP4 + scales read,
+    FP8 written)."""
+    from vllm_dsv41 import formats
+    from vllm_dsv41.ops import dequant_mxfp4 as dq
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print("\ndequant_mxfp4_fp8: MXFP4 -> FP8 rows (the FP8 prefill MoE's conversion), bench experts")
+    for E, R, C in ((32, 2 * 2304, 5120), (32, 5120, 2304)):
+        w = torch.randint(0, 256, (E, R, C // 2), generator=g, device="cuda", dtype=torch.uint8)
+        s = torch.randint(118, 124, (E, R, C // 32), generator=g, device="cuda", dtype=torch.uint8)
+        rows = formats.mxfp4_row_exponents(s).contiguous()
+        out = torch.empty(E, R, C, dtype=torch.float8_e4m3fn, device="cuda")
+        nbytes = w.numel() + s.numel() + out.numel()
+        for tiles in DEQUANT_TILES:
+            try:
+                total, per = kernel_us(lambda t=tiles: dq._dequant_mxfp4_fp8_triton(w, s, rows, out, tiles=t), iters)
+                report(f"dequant [{E},{R},{C}] {tiles[0]}x{tiles[1]} w{tiles[2]}", nbytes, total, per)
+            except Exception as exc:  # a tile that does not compile
+                print(f"dequant {tiles}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
 def _moe_tile_sweep(label: str, sweep: tuple, tokens: list[int], iters: int, fp8: bool) -> None:
     """A prefill MoE path (``linear.bf16_moe``, or ``linear.fp8_moe`` with ``fp8``) under a tile sweep at prefill
     sizes, with ``matmul_ogs`` (the default up to then) timed first when it imports; TFLOP/s counts the two GEMMs'
@@ -556,6 +584,8 @@ def main() -> int:
             section_dense(a.tokens, a.iters)
         elif name == "w8a8":
             section_w8a8(a.tokens + a.prefill, a.iters)
+        elif name == "dequant":
+            section_dequant(a.iters)
         elif name in ("moe_bf16", "moe_fp8"):
             fp8 = name == "moe_fp8"
             _moe_tile_sweep("fp8" if fp8 else "bf16", FP8_MOE_SWEEP if fp8 else BF16_MOE_SWEEP, a.prefill, a.iters, fp8)

@@ -97,8 +97,8 @@ case "${1:-}" in
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_dequant_mxfp4.py tests/ops/test_mhc.py \
       >> "$OUT/fp8moe-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error|rel err" "$OUT/fp8moe-tests.log" | tail -20
-    (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only moe_fp8 --prefill 2048 4096 16384 --iters 5) \
-      > "$OUT/moe-fp8.log" 2>&1
+    (cd benchmarks/ops && timeout 300 python3 kernel_times.py --only dequant moe_fp8 --prefill 2048 4096 16384 \
+      --iters 5) > "$OUT/moe-fp8.log" 2>&1
     grep -vE "^(USDT|  |INFO|WARNING)|Warning" "$OUT/moe-fp8.log" | cut -c1-200 | tail -30 ;;
   decode_attn)
     # the decode-rows route (VLLM_DSV41_DECODE_ATTN=flashmla): its CUDA tests and the two tests edited after session

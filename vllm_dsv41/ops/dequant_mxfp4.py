@@ -103,19 +103,23 @@ def _kernels():
 BLOCK_R, BLOCK_C = 16, 128
 
 
-def _launch(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor | None, out: torch.Tensor, R: int, C2: int):
-    grid = (-(-R // BLOCK_R), -(-C2 // BLOCK_C))
+def _launch(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor | None, out: torch.Tensor, R: int, C2: int,
+            tiles: tuple[int, int, int] | None = None):
+    block_r, block_c, warps = tiles or (BLOCK_R, BLOCK_C, 4)
+    grid = (-(-R // block_r), -(-C2 // block_c))
     _kernels()[grid](w.view(torch.uint8), s.view(torch.uint8), row_exp if row_exp is not None else s, out, R, C2,
-                     BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, ROW_EXP=row_exp is not None,
-                     HEADROOM=formats.MXFP4_FP8_HEADROOM, num_warps=4)
+                     BLOCK_R=block_r, BLOCK_C=block_c, ROW_EXP=row_exp is not None,
+                     HEADROOM=formats.MXFP4_FP8_HEADROOM, num_warps=warps)
 
 
 def _dequant_mxfp4_triton(w: torch.Tensor, s: torch.Tensor, out: torch.Tensor) -> None:
     _launch(w, s, None, out, *_check(w, s, out))
 
 
-def _dequant_mxfp4_fp8_triton(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor, out: torch.Tensor) -> None:
-    _launch(w, s, row_exp, out, *_check_fp8(w, s, row_exp, out))
+def _dequant_mxfp4_fp8_triton(w: torch.Tensor, s: torch.Tensor, row_exp: torch.Tensor, out: torch.Tensor,
+                              tiles: tuple[int, int, int] | None = None) -> None:
+    """``tiles`` = (BLOCK_R, BLOCK_C packed bytes, warps) for sweeps (default: the module's)."""
+    _launch(w, s, row_exp, out, *_check_fp8(w, s, row_exp, out), tiles=tiles)
 
 
 dequant_mxfp4 = define_op("dequant_mxfp4", "(Tensor w, Tensor s, Tensor(a!) out) -> ()",
