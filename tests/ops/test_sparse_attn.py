@@ -267,10 +267,11 @@ def _key_decode_check() -> None:
         n = tl.arange(0, N)
         j = tl.arange(0, D // 2)
         valid = n >= 0
-        k_e, k_o = sa._nvfp4_keys(comp_ptr, row_c, n.to(tl.int64), valid, D, N, HW_FP8, False)
+        k_e, k_o = sa._nvfp4_part(comp_ptr, row_c, n.to(tl.int64), valid, 0, D // 2, D, N, HW_FP8, False)
         tl.store(ce_ptr + n[:, None] * (D // 2) + j[None, :], k_e)
         tl.store(co_ptr + n[:, None] * (D // 2) + j[None, :], k_o)
-        k_e, k_o = sa._mxfp8_keys(swa8_ptr, swa16_ptr, row_s8, row_s16, n.to(tl.int64), valid, D, N, HW_FP8, False)
+        k_e, k_o = sa._mxfp8_part(swa8_ptr, swa16_ptr, row_s8, row_s16, n.to(tl.int64), valid, 0, D // 2, D, N,
+                                   HW_FP8, False)
         tl.store(se_ptr + n[:, None] * (D // 2) + j[None, :], k_e)
         tl.store(so_ptr + n[:, None] * (D // 2) + j[None, :], k_o)
 

@@ -240,12 +240,6 @@ if triton is not None:
         return tl.reshape(ke, (BLOCK_N, P)), tl.reshape(ko, (BLOCK_N, P))
 
     @triton.jit
-    def _mxfp8_keys(rec8_ptr, rec16_ptr, row8, row16, slots, valid, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                    HW_FP8: tl.constexpr, ALIGNED: tl.constexpr):
-        """Every pair of the MXFP8 records of ``slots``: (even, odd) halves [BLOCK_N, D/2], fp32."""
-        return _mxfp8_part(rec8_ptr, rec16_ptr, row8, row16, slots, valid, 0, D // 2, D, BLOCK_N, HW_FP8, ALIGNED)
-
-    @triton.jit
     def _nvfp4_part(rec8_ptr, row8, slots, valid, p0, P: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
                     HW_FP8: tl.constexpr, ALIGNED: tl.constexpr):
         """Pairs p0 .. p0 + P of the NVFP4 records of ``slots`` [BLOCK_N] (int64) -> (even, odd) [BLOCK_N, P], fp32.
@@ -274,12 +268,6 @@ if triton is not None:
             ke = _e2m1_twice(b & 15) * s
             ko = _e2m1_twice(b >> 4) * s
         return tl.reshape(ke, (BLOCK_N, P)), tl.reshape(ko, (BLOCK_N, P))
-
-    @triton.jit
-    def _nvfp4_keys(rec8_ptr, row8, slots, valid, D: tl.constexpr, BLOCK_N: tl.constexpr, HW_FP8: tl.constexpr,
-                    ALIGNED: tl.constexpr):
-        """Every pair of the NVFP4 records of ``slots``: (even, odd) halves [BLOCK_N, D/2], fp32."""
-        return _nvfp4_part(rec8_ptr, row8, slots, valid, 0, D // 2, D, BLOCK_N, HW_FP8, ALIGNED)
 
     @triton.jit
     def _row_keys_kernel(rec8_ptr, rec16_ptr, row8, row16, slot_ptr, stride_st, n_cols, col0, out_ptr, idx_ptr, N,
