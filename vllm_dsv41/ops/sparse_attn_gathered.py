@@ -164,36 +164,41 @@ def read_back() -> bool:
     return os.environ.get(READBACK_ENV, "0").strip() == "1"
 
 
-def mode() -> str:
-    """``VLLM_DSV41_PREFILL_ATTN``, checked (a misspelt value is an error, not a silent fallback)."""
-    m = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if m not in MODES:
-        raise ValueError(f"{ENV}={m!r}: expected one of {', '.join(MODES)}")
+def _env_choice(env: str, default: str, choices: tuple[str, ...]) -> str:
+    """The environment's value of ``env``, checked (a misspelt value is an error, not a silent fallback)."""
+    m = os.environ.get(env, default).strip().lower() or default
+    if m not in choices:
+        raise ValueError(f"{env}={m!r}: expected one of {', '.join(choices)}")
     return m
 
 
-def applies(q: torch.Tensor, rows: int) -> bool:
-    """Whether the model sends these attention rows here: not switched off (``VLLM_DSV41_PREFILL_ATTN``), a
-    prefill-sized step, bf16 q of 512 dims and a head count the kernel takes, on a GPU where it imports."""
-    return (rows >= MIN_ROWS and q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 512
-            and q.shape[1] in FLASHMLA_HEADS and mode() != "sparse_attn" and _switched_off is None
-            and flashmla_sparse_fwd() is not None)
+def mode() -> str:
+    """``VLLM_DSV41_PREFILL_ATTN``, checked."""
+    return _env_choice(ENV, "auto", MODES)
 
 
 def decode_mode() -> str:
     """``VLLM_DSV41_DECODE_ATTN``, checked."""
-    m = os.environ.get(DECODE_ENV, "sparse_attn").strip().lower() or "sparse_attn"
-    if m not in DECODE_MODES:
-        raise ValueError(f"{DECODE_ENV}={m!r}: expected one of {', '.join(DECODE_MODES)}")
-    return m
+    return _env_choice(DECODE_ENV, "sparse_attn", DECODE_MODES)
+
+
+def _kernel_takes(q: torch.Tensor) -> bool:
+    """bf16 q of 512 dims and a head count FlashMLA's kernel takes, on a GPU where it imports, the path not switched
+    off."""
+    return (q.is_cuda and q.dtype == torch.bfloat16 and q.shape[-1] == 512 and q.shape[1] in FLASHMLA_HEADS
+            and _switched_off is None and flashmla_sparse_fwd() is not None)
+
+
+def applies(q: torch.Tensor, rows: int) -> bool:
+    """Whether the model sends these attention rows here: a prefill-sized step, not switched off
+    (``VLLM_DSV41_PREFILL_ATTN``), a q the kernel takes."""
+    return rows >= MIN_ROWS and mode() != "sparse_attn" and _kernel_takes(q)
 
 
 def applies_rows(q: torch.Tensor, rows: int) -> bool:
     """Whether decode-sized steps go through :func:`sparse_attn_rows`: asked for (``VLLM_DSV41_DECODE_ATTN``),
-    ``DECODE_MIN_ROWS`` to ``MIN_ROWS`` - 1 rows, and what :func:`applies` asks of q and the GPU."""
-    return (DECODE_MIN_ROWS <= rows < MIN_ROWS and decode_mode() == "flashmla" and q.is_cuda
-            and q.dtype == torch.bfloat16 and q.shape[-1] == 512 and q.shape[1] in FLASHMLA_HEADS
-            and _switched_off is None and flashmla_sparse_fwd() is not None)
+    ``DECODE_MIN_ROWS`` to ``MIN_ROWS`` - 1 rows, a q the kernel takes."""
+    return DECODE_MIN_ROWS <= rows < MIN_ROWS and decode_mode() == "flashmla" and _kernel_takes(q)
 
 
 def switch_off(exc: BaseException) -> None:
