@@ -425,6 +425,40 @@ def test_w8a8_dense_gemm_backend(monkeypatch):
     assert grouped.w8 is None and torch.equal(grouped.w16, gref.to(torch.bfloat16))
 
 
+def test_grouped_w8a8_through_fused_moe_switch(monkeypatch):
+    """``VLLM_DSV41_GROUPED_GEMM=fused_moe``: a grouped layer under ``w8a8`` keeps E4M3 rows too, and each (token,
+    group) slice goes through its group's rows under its own per-slice FP8 quantisation (the CPU arithmetic of the
+    CUDA fused-MoE call: ``w8a8_ref`` per group), within FP8's rounding of the exact grouped product.  The default
+    keeps bf16; a misspelt value is an error."""
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    monkeypatch.delenv(linear.GROUPED_GEMM_ENV, raising=False)
+    assert linear.grouped_gemm_backend() == "bf16"
+    monkeypatch.setenv(linear.GROUPED_GEMM_ENV, "Fused_MoE ")
+    assert linear.grouped_gemm_backend() == "fused_moe"
+    G, n = 4, N_OUT // 4
+    gen = torch.Generator().manual_seed(6)
+    lin, ref = _fp8_layer(G, gen)
+    lin.finalize()
+    assert lin.w16 is None and lin.w8.dtype == torch.float8_e4m3fn and torch.equal(lin.w8.float() * lin.w8_scale, ref)
+    x = _grouped_input(G, gen)
+    got = lin(x)
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], G, n)
+    xb = x.to(torch.bfloat16)
+    for g in range(G):
+        q, sa = formats.quant_fp8_tokens(xb[:, g])
+        rows = slice(g * n, (g + 1) * n)
+        want = (q.float() @ lin.w8[rows].float().t()) * sa * lin.w8_scale[rows].t()
+        assert torch.equal(got[:, g], want.to(torch.bfloat16).float()), g
+    exact = torch.einsum("tgk,gok->tgo", xb.float(), ref.view(G, n, K_IN))
+    err = ((got - exact).norm() / exact.norm()).item()
+    assert 1e-3 < err < 4e-2, err
+    assert linear.grouped_w8a8(xb[:0], lin.w8, lin.w8_scale).shape == (0, G, n)
+    monkeypatch.setenv(linear.GROUPED_GEMM_ENV, "moe")
+    with pytest.raises(ValueError, match="VLLM_DSV41_GROUPED_GEMM='moe'"):
+        linear.grouped_gemm_backend()
+
+
 def test_moe_too_narrow_for_fused_kernels_keeps_the_expert_loop(tiny_ckpt, monkeypatch):
     """A quantised MoE on the fast device whose widths neither matmul_ogs nor Marlin tile (the tiny preset's 64 x 32)
     keeps its experts and runs the expert loop on them (no stack, no bf16 prefill copy), instead of failing at the

@@ -14,7 +14,8 @@ MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their err
 ``ogs_flags`` (that MoE under triton_kernels' opt-flag constraints at ``--tokens`` and ``--prefill``),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
 ``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``), ``dequant``
-(its MXFP4 -> FP8 conversion under a tile sweep),
+(its MXFP4 -> FP8 conversion under a tile sweep), ``w8a8`` / ``w8a8_grouped`` (FP8 dense GEMM paths against bf16,
+every dense shape or the grouped ``wo_a`` only),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
@@ -154,7 +155,7 @@ def section_dense(tokens: list[int], iters: int) -> None:
         report(f"marlin moe T={T}", idx.unique().numel() * per_expert, total, per)
 
 
-def section_w8a8(tokens: list[int], iters: int) -> None:
+def section_w8a8(tokens: list[int], iters: int, grouped_only: bool = False) -> None:
     """FP8 x FP8 (W8A8) GEMMs from libraries against cuBLAS on the bf16 weights, at the bench's dense shapes: the
     activations quantised on the fly (per token, or per 1x128 group), the 32x32-tiled weights re-scaled once per
     output row or per 128x128 block (powers of two).  Kernel time includes the quantisation kernel; "err" is the
@@ -171,7 +172,8 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
           "torch._scaled_mm per-token x per-row; MB = the weight bytes of the path")
     bf = torch.bfloat16
 
-    for label, N, K, G in [(lb, n, k, 1) for lb, n, k in bg.SHAPES] + [("wo_a 8 groups", 8192, 4096, 8)]:
+    shapes = [] if grouped_only else [(lb, n, k, 1) for lb, n, k in bg.SHAPES]
+    for label, N, K, G in shapes + [("wo_a 8 groups", 8192, 4096, 8)]:
         lin = bg.random_fp8_linear(N, K)
         w = lin.dequantized().float()
         wr, sr = formats.fp8_block_to_rows(lin.weight.data, lin.scale.data)  # what the model's w8a8 layers hold
@@ -216,6 +218,9 @@ def section_w8a8(tokens: list[int], iters: int) -> None:
                     out = torch._scaled_grouped_mm(qa, wv, sa, s[2].view(G, N // G), out_dtype=bf)
                     return out.transpose(0, 1).reshape(M, N)
                 paths.append(("torch scaled_grouped_mm", grouped, N * K))
+                # VLLM_DSV41_GROUPED_GEMM=fused_moe: the groups as the experts of vLLM's fused-MoE FP8 kernel
+                paths.append(("fused_moe grouped", lambda s: linear.grouped_w8a8(xg, s[1], s[2]).reshape(M, N),
+                              N * K))
             for name, call, nbytes in paths:
                 try:
                     err = bg.rel_err(call(sets[0]).reshape(M, N), ref)
@@ -582,8 +587,8 @@ def main() -> int:
             section_sparse_attn(a.tokens, a.prefill, a.iters)
         elif name == "dense":
             section_dense(a.tokens, a.iters)
-        elif name == "w8a8":
-            section_w8a8(a.tokens + a.prefill, a.iters)
+        elif name in ("w8a8", "w8a8_grouped"):  # w8a8_grouped: the grouped wo_a only
+            section_w8a8(a.tokens + a.prefill, a.iters, grouped_only=name == "w8a8_grouped")
         elif name == "dequant":
             section_dequant(a.iters)
         elif name in ("moe_bf16", "moe_fp8"):

@@ -13,8 +13,8 @@
 #   scripts/gpu/session.sh w8a8            # W8A8 FP8 GEMMs from vLLM / torch vs bf16 cuBLAS at the dense shapes
 #   scripts/gpu/session.sh fp8moe          # the FP8 prefill MoE, the side stream, mHC on bf16 streams: CUDA tests,
 #                                          # then fp8_moe's tiles vs ogs
-#   scripts/gpu/session.sh decode_attn     # the decode-rows route (FlashMLA on each row's gathered keys): CUDA tests,
-#                                          # kernel times against sparse_attn at 16 and 64 rows
+#   scripts/gpu/session.sh decode_attn     # the decode-rows route (FlashMLA on each row's gathered keys) and the grouped
+#                                          # wo_a through the fused-MoE FP8 kernel: CUDA tests, kernel times
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -110,7 +110,14 @@ case "${1:-}" in
     grep -E "passed|failed|FAILED|Error|rel err" "$OUT/decode-attn-tests.log" | tail -20
     (cd benchmarks/ops && timeout 200 python3 kernel_times.py --only sparse_attn --tokens 16 64 --prefill --iters 20) \
       > "$OUT/decode-attn-times.log" 2>&1
-    grep -E "^decode" "$OUT/decode-attn-times.log" | cut -c1-160 ;;
+    grep -E "^decode" "$OUT/decode-attn-times.log" | cut -c1-160
+    # the grouped wo_a through the fused-MoE FP8 kernel (VLLM_DSV41_GROUPED_GEMM=fused_moe): its CUDA test, its times
+    timeout 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py -k grouped_w8a8 \
+      > "$OUT/grouped-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error|rel err" "$OUT/grouped-tests.log" | tail -6
+    (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only w8a8_grouped --tokens 1 64 --prefill 16384 \
+      --iters 10) > "$OUT/grouped-times.log" 2>&1
+    grep -E "^wo_a" "$OUT/grouped-times.log" | cut -c1-160 ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1

@@ -52,6 +52,7 @@ DENSE_GEMM_ENV = "VLLM_DSV41_DENSE_GEMM"
 MOE_ENV = "VLLM_DSV41_MOE"
 MOE_BF16_FROM_ENV = "VLLM_DSV41_MOE_BF16_FROM"
 MOE_FP8_FROM_ENV = "VLLM_DSV41_MOE_FP8_FROM"
+GROUPED_GEMM_ENV = "VLLM_DSV41_GROUPED_GEMM"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -82,6 +83,16 @@ def dense_gemm_backend() -> str:
     v = os.environ.get(DENSE_GEMM_ENV, DEFAULT_DENSE_GEMM).strip().lower() or DEFAULT_DENSE_GEMM
     if v not in ("bf16", "w8a8", "marlin", "fp8"):
         raise ValueError(f"{DENSE_GEMM_ENV}={v!r}: expected bf16, w8a8, marlin or fp8")
+    return v
+
+
+def grouped_gemm_backend() -> str:
+    """``VLLM_DSV41_GROUPED_GEMM``: the grouped ``wo_a`` under ``w8a8`` - ``bf16`` (default: one batched cuBLAS GEMM,
+    faster than eight CUTLASS FP8 calls, session 14) or ``fused_moe`` (:func:`grouped_w8a8`: the groups as the experts
+    of vLLM's Triton fused-MoE FP8 kernel, one launch over half of bf16's weight bytes; not yet measured)."""
+    v = os.environ.get(GROUPED_GEMM_ENV, "bf16").strip().lower() or "bf16"
+    if v not in ("bf16", "fused_moe"):
+        raise ValueError(f"{GROUPED_GEMM_ENV}={v!r}: expected bf16 or fused_moe")
     return v
 
 
@@ -253,6 +264,45 @@ def w8a8_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.
     return (q.float() @ w8.float().t()) * sa * w_scale.reshape(1, -1)
 
 
+GROUPED_W8A8_SMALL_TILES = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
+                                num_stages=4)
+""":func:`grouped_w8a8`'s fused-MoE tiles up to ``GROUPED_W8A8_SMALL_ROWS`` tokens (decode: a group's rows fill at most
+a few 16-row tiles, the weight bytes set the time); above, :data:`FP8_MOE_TILES`.  Guesses until measured."""
+GROUPED_W8A8_SMALL_ROWS = 256
+
+
+def grouped_w8a8(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, config: dict | None = None) -> torch.Tensor:
+    """A grouped W8A8 GEMM: x [T, G, K] (bf16), group g's slice through rows g * n .. (g + 1) * n of w8 [G * n, K] (E4M3
+    under w_scale [G * n, 1] fp32) -> [T, G, n] in x's dtype, the activations quantised per (token, group) slice.  On
+    CUDA one launch of vLLM's Triton fused-MoE FP8 kernel: each slice a row routed to its group, the groups the
+    experts; elsewhere :func:`w8a8_ref` per group."""
+    T, G, K = x.shape
+    n = w8.shape[0] // G
+    if T == 0:
+        return x.new_empty(0, G, n)
+    if not x.is_cuda:
+        return torch.stack([w8a8_ref(x[:, g], w8[g * n:(g + 1) * n], w_scale[g * n:(g + 1) * n])
+                            for g in range(G)], 1).to(x.dtype)
+    import triton.language as tl
+    from vllm import _custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.fused_moe import dispatch_fused_moe_kernel
+    from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+
+    cfg = dict(config or (GROUPED_W8A8_SMALL_TILES if T <= GROUPED_W8A8_SMALL_ROWS else FP8_MOE_TILES))
+    a, a_scale = vops.scaled_fp8_quant(x.reshape(T * G, K).to(FAST_GEMM_DTYPE).contiguous(),
+                                       use_per_token_if_dynamic=True)
+    group_of_row = torch.arange(G, dtype=torch.int32, device=x.device).repeat(T).unsqueeze(1)  # row t * G + g -> g
+    sorted_ids, expert_ids, n_padded = moe_align_block_size(group_of_row, cfg["BLOCK_SIZE_M"], G)
+    out = torch.empty(T * G, 1, n, dtype=FAST_GEMM_DTYPE, device=x.device)
+    ones = torch.ones(T * G, 1, dtype=torch.float32, device=x.device)  # no routing weights (not multiplied in)
+    dispatch_fused_moe_kernel(a, w8.view(G, n, K), out, a_scale, w_scale.reshape(G, n), None, ones,
+                              mul_routed_weight=False, top_k=1, sorted_token_ids=sorted_ids, expert_ids=expert_ids,
+                              num_tokens_post_padded=n_padded, config=cfg, compute_type=tl.bfloat16,
+                              use_fp8_w8a8=True, use_int8_w8a8=False, use_int8_w8a16=False, use_int4_w4a16=False,
+                              per_channel_quant=True)
+    return out.view(T, G, n).to(x.dtype)
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -364,8 +414,9 @@ class QuantLinear(nn.Module):
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         backend = dense_gemm_backend()
-        if backend == "w8a8" and not (self.groups == 1 and w8a8_supported(self.weight.device)):
-            backend = "bf16"  # grouped layers stay on bf16 (one batched GEMM, measured faster), as do pre-FP8 GPUs
+        grouped_fp8 = self.groups == 1 or grouped_gemm_backend() == "fused_moe"
+        if backend == "w8a8" and not (grouped_fp8 and w8a8_supported(self.weight.device)):
+            backend = "bf16"  # grouped layers stay on bf16 by default (one batched GEMM), as do pre-FP8 GPUs
         if backend == "w8a8":
             self.w8, self.w8_scale = formats.fp8_block_to_rows(self.weight.data, self.scale.data.view(E8M0))
             del self.weight, self.scale
@@ -425,6 +476,8 @@ class QuantLinear(nn.Module):
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
         G = self.groups
         if self.w8 is not None:
+            if G > 1:
+                return grouped_w8a8(x.to(FAST_GEMM_DTYPE), self.w8, self.w8_scale).to(x.dtype)
             return w8a8_gemm(x.to(FAST_GEMM_DTYPE), self.w8, self.w8_scale).to(x.dtype)
         if self.fp8_kept:
             return self._fp8_forward(x)
