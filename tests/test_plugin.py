@@ -59,8 +59,8 @@ def test_disable_switch_keeps_builtin():
 
 
 def test_engine_settings_applied_by_the_config_hook(tiny_ckpt, monkeypatch):
-    """Asked for graphs and async scheduling, the engine config of a V4.1 checkpoint still comes out eager,
-    synchronous and on model runner V1 (engine_config.py says why)."""
+    """Asked for graphs and async scheduling, the engine config of a V4.1 checkpoint still comes out eager and on
+    model runner V1 (engine_config.py says why), and synchronous (the CPU platform's rule)."""
     from vllm.engine.arg_utils import EngineArgs
 
     import vllm_dsv41
@@ -75,9 +75,9 @@ def test_engine_settings_applied_by_the_config_hook(tiny_ckpt, monkeypatch):
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
 
 
-def test_async_scheduling_off_only_with_engram(monkeypatch):
-    """Engram's lookback ids need the sampled tokens on the host, so a checkpoint with Engram layers runs
-    synchronously; without Engram vLLM's own choice (None: async by default on CUDA) is left alone."""
+def test_async_scheduling_left_to_vllm_with_and_without_engram(monkeypatch):
+    """Async scheduling stays vLLM's choice (None: async by default on CUDA) with Engram layers too: their lookback
+    ids that the host lacks come from the model's token history (tests/e2e: test_engram_lookback_from_history)."""
     from types import SimpleNamespace
 
     from vllm_dsv41.engine_config import apply_engine_settings
@@ -89,9 +89,6 @@ def test_async_scheduling_off_only_with_engram(monkeypatch):
         return SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True, hf_text_config=text, hf_config=None),
                                scheduler_config=SimpleNamespace(async_scheduling=None))
 
-    with_engram, without = config([1, 14]), config([])
-    assert apply_engine_settings(with_engram) == [
-        "async_scheduling=False (Engram lookback ids need the sampled tokens)"]
-    assert with_engram.scheduler_config.async_scheduling is False
-    assert apply_engine_settings(without) == []
-    assert without.scheduler_config.async_scheduling is None
+    for c in (config([1, 14]), config([])):
+        assert apply_engine_settings(c) == []
+        assert c.scheduler_config.async_scheduling is None

@@ -8,10 +8,10 @@ Owns :func:`register_engine_config`: our entry for ``DeepseekV41ForCausalLM`` in
 * eager execution (``enforce_eager``): the model captures its own decode CUDA graphs
   (``model_executor/graphs.py``); vLLM's torch.compile / graph capture would trace through step
   metadata it does not own;
-* no async scheduling for a checkpoint with Engram layers: their lookback ids are read from the
-  runner's token history, which under async scheduling holds placeholders for the tokens just
-  sampled.  Without Engram, vLLM's choice stands (async by default: the next step is prepared while
-  the current one runs; the metadata builder reads nothing back from the device);
+* vLLM's choice of async scheduling stands (on by default on CUDA: the next step is prepared while the
+  current one runs; the metadata builder reads nothing back from the device), Engram checkpoints
+  included: the lookback ids the runner's host token table lacks under async scheduling (the generated
+  ones) come from the model's device token history (``model_executor/step.py``, ``TokenHistory``);
 * model runner V1 (``VLLM_USE_V2_MODEL_RUNNER=0`` unless the user set it): our runner hooks
   (``attention/runner_hooks.py``) patch V1.
 
@@ -29,17 +29,6 @@ ARCHITECTURE = "DeepseekV41ForCausalLM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def has_engram(vllm_config) -> bool:
-    """The checkpoint's config.json lists Engram layers."""
-    mc = vllm_config.model_config
-    for cfg in (getattr(mc, "hf_text_config", None), getattr(mc, "hf_config", None),
-                getattr(getattr(mc, "hf_config", None), "text_config", None)):
-        ids = cfg.get("engram_layer_ids") if isinstance(cfg, dict) else getattr(cfg, "engram_layer_ids", None)
-        if ids:
-            return True
-    return False
-
-
 def apply_engine_settings(vllm_config) -> list[str]:
     """Adjust ``vllm_config`` in place; returns what was changed (for logs and tests)."""
     changed = []
@@ -47,9 +36,6 @@ def apply_engine_settings(vllm_config) -> list[str]:
     if mc is not None and not mc.enforce_eager:
         mc.enforce_eager = True
         changed.append("enforce_eager=True (the model captures its own decode CUDA graphs)")
-    if sc.async_scheduling is not False and has_engram(vllm_config):
-        sc.async_scheduling = False
-        changed.append("async_scheduling=False (Engram lookback ids need the sampled tokens)")
     if os.environ.get(V2_RUNNER_ENV) is None:
         os.environ[V2_RUNNER_ENV] = "0"
         changed.append(f"{V2_RUNNER_ENV}=0 (the plugin's runner hooks patch model runner V1)")

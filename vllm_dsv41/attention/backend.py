@@ -6,7 +6,8 @@ dataclasses the model reads in ``forward``:
 
 * ``DSV41StepMetadata``: per step, per request (row order of the runner's
   input batch): request ids, query_start_loc, seq_lens, context lengths,
-  positions, token -> request index, ``replay_start``, Engram lookback ids.
+  positions, token -> request index, ``replay_start``, Engram lookback ids and
+  each request's row in the model's token history (:class:`TokenHistoryRows`).
 * ``DSV41GroupMetadata``: per KV-cache group: block table, slot mapping (the
   runner's for SWA groups; computed from the table on first use for compressed
   and ring groups, :func:`compressed_slots` / :func:`ring_slots`, so a decode
@@ -88,9 +89,16 @@ class DSV41StepMetadata:
     # (nearest first, like vLLM's own ``lookback_token_ids``); -1 if unknown.
     lookback_token_ids: torch.Tensor  # [num_reqs, 3] int32
     is_prefill: torch.Tensor  # [num_reqs] bool, still inside the prompt
+    # Each request's row in the model's device token history (``step.TokenHistory``), which supplies the lookback
+    # ids the host does not know (generated tokens under async scheduling); -1: none.
+    history_rows: torch.Tensor | None = None  # [num_reqs] int32; None -> all -1
     # Layer name -> metadata of the KV-cache group that layer belongs to.
     groups: dict[str, DSV41GroupMetadata] = field(default_factory=dict, repr=False)
     _on: dict = field(default_factory=dict, repr=False)  # (name, device) -> copy, see ``on``
+
+    def __post_init__(self):
+        if self.history_rows is None:
+            self.history_rows = torch.full((self.num_reqs,), -1, dtype=torch.int32)
 
     def on(self, name: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor field ``name`` (or ``replayed``, the replayed-token mask) on ``device`` (as ``dtype``),
@@ -250,7 +258,53 @@ class RunnerStepInfo:
     replay_window: int
     lookback_token_ids: np.ndarray  # [n, LOOKBACK_DEPTH] int32
     is_prefill: np.ndarray  # [n] bool
+    history_rows: np.ndarray | None = None  # [n] int32, see DSV41StepMetadata.history_rows
     step: DSV41StepMetadata | None = None  # built by the first group
+
+
+def history_capacity(max_num_seqs: int) -> int:
+    """Rows of the model's token history (``step.TokenHistory``) and of :class:`TokenHistoryRows`: room for the
+    running requests and for as many again that were preempted or paused, so that the least recently scheduled
+    request is evicted only when more than that are alive."""
+    return max(1024, 4 * max_num_seqs)
+
+
+class TokenHistoryRows:
+    """Assigns each request a row of the model's device token history (``step.TokenHistory``): on its first step,
+    kept until it finishes (:meth:`release`).  When every row is taken the least recently scheduled request not in
+    the step loses its row: a request resumed after preemption brings all its token ids to the runner again, so its
+    host lookback ids are known and its old row is not needed; a request that was only paused would read another
+    request's ids (:func:`history_capacity` makes that need more than 3x ``max_num_seqs`` requests alive)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.rows: dict[str, int] = {}  # insertion order = least recently scheduled first
+        self.free = list(range(capacity - 1, -1, -1))
+        self.evicted = 0
+
+    def rows_for(self, req_ids: list) -> np.ndarray:
+        out = np.full(len(req_ids), -1, dtype=np.int32)
+        step = set(req_ids)
+        for i, r in enumerate(req_ids):
+            if r is None:
+                continue
+            row = self.rows.pop(r, None)
+            if row is None:
+                row = self.free.pop() if self.free else self._evict(step)
+            self.rows[r] = row  # re-inserted: most recently scheduled
+            out[i] = row
+        return out
+
+    def _evict(self, keep: set) -> int:
+        victim = next(r for r in self.rows if r not in keep)
+        self.evicted += 1
+        return self.rows.pop(victim)
+
+    def release(self, req_ids) -> None:
+        for r in req_ids:
+            row = self.rows.pop(r, None)
+            if row is not None:
+                self.free.append(row)
 
 
 _pending: RunnerStepInfo | None = None
@@ -283,6 +337,7 @@ def _build_step(
     replay_start = torch.zeros(num_reqs, dtype=torch.int32)
     lookback = torch.full((num_reqs, LOOKBACK_DEPTH), -1, dtype=torch.int32)
     is_prefill = torch.zeros(num_reqs, dtype=torch.bool)
+    history_rows = torch.full((num_reqs,), -1, dtype=torch.int32)
     req_ids: list[str | None] = [None] * num_reqs
     replay_window = 0
     if info is not None:
@@ -291,6 +346,8 @@ def _build_step(
         replay_start[:n] = torch.from_numpy(info.replay_start[:n])
         lookback[:n] = torch.from_numpy(info.lookback_token_ids[:n])
         is_prefill[:n] = torch.from_numpy(info.is_prefill[:n])
+        if info.history_rows is not None:
+            history_rows[:n] = torch.from_numpy(info.history_rows[:n])
         replay_window = info.replay_window
     elif cm.is_prefilling is not None:
         is_prefill[:] = cm.is_prefilling[:num_reqs].cpu()
@@ -308,6 +365,7 @@ def _build_step(
         replay_window=replay_window,
         lookback_token_ids=lookback,
         is_prefill=is_prefill,
+        history_rows=history_rows,
     )
 
 

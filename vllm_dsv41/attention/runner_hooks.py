@@ -21,7 +21,9 @@ forwards to attention metadata:
 * the request ids, row order and Engram lookback ids of the step, read from
   the runner's input batch (``token_ids_cpu`` holds every known token id;
   generated ids are -1 placeholders under async scheduling, which the CPU
-  platform turns off).
+  platform turns off), and each request's row in the model's device token
+  history (``backend.TokenHistoryRows``, released when the scheduler reports
+  the request finished), from which the model takes the ids the host lacks.
 
 A wrapper around ``_build_attention_metadata`` publishes them to the builder
 (``backend.set_pending_step_info``) for the duration of one build.
@@ -40,6 +42,8 @@ import numpy as np
 from vllm_dsv41.attention.backend import (
     LOOKBACK_DEPTH,
     RunnerStepInfo,
+    TokenHistoryRows,
+    history_capacity,
     set_pending_step_info,
 )
 
@@ -129,10 +133,19 @@ def _skip_ring_slot_mappings(runner) -> None:
     runner.__dict__[_RING_BATCH] = batch
 
 
+def history_rows(runner) -> TokenHistoryRows:
+    """This runner's assignment of token-history rows to requests."""
+    got = runner.__dict__.get("_dsv41_history")
+    if got is None:
+        got = runner.__dict__["_dsv41_history"] = TokenHistoryRows(history_capacity(runner.max_num_reqs))
+    return got
+
+
 def _record_replay_starts(runner, scheduler_output) -> None:
     starts = replay_starts(runner)
     for req_id in scheduler_output.finished_req_ids:
         starts.pop(req_id, None)
+    history_rows(runner).release(scheduler_output.finished_req_ids)
     for new_req in scheduler_output.scheduled_new_reqs:
         starts[new_req.req_id] = int(getattr(new_req, "replay_start", 0))
     cached = scheduler_output.scheduled_cached_reqs
@@ -160,10 +173,18 @@ def _collect_step_info(runner) -> RunnerStepInfo:
     lookback = np.where(valid, ids, -1).astype(np.int32)
 
     is_prefill = computed < batch.num_prompt_tokens[:n]
+    history = history_rows(runner)
+    evicted = history.evicted
+    hist_rows = history.rows_for(req_ids)
+    if history.evicted > evicted:
+        logger.warning("vllm-dsv41: %d token-history rows were reassigned (more than %d requests alive); a request "
+                       "that comes back without being resumed may see wrong Engram lookback ids",
+                       history.evicted, history.capacity)
     return RunnerStepInfo(
         req_ids=req_ids,
         replay_start=replay_start,
         replay_window=_replay_window(runner),
         lookback_token_ids=lookback,
         is_prefill=is_prefill,
+        history_rows=hist_rows,
     )

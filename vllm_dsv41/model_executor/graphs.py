@@ -139,7 +139,8 @@ def pad_decode_meta(meta: DSV41StepMetadata, batch: int) -> DSV41StepMetadata:
         query_start_loc=ar, seq_lens=_pad(meta.seq_lens, B, 1), context_lens=_pad(meta.context_lens, B, 0),
         positions=_pad(meta.positions, B, 0), token_req_idx=torch.arange(B, dtype=meta.token_req_idx.dtype),
         replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
-        lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False))
+        lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False),
+        history_rows=_pad(meta.history_rows, B, -1))
     _add_groups(out, meta, lambda slots: _pad(slots, B, -1))
     return out
 
@@ -180,7 +181,8 @@ def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.
         seq_lens=_pad(meta.seq_lens, B, 1), context_lens=_pad(meta.context_lens, B, 0),
         positions=_pad(meta.positions[kept], R, 0), token_req_idx=_pad(req, R, 0),
         replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
-        lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False))
+        lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False),
+        history_rows=_pad(meta.history_rows, B, -1))
     _add_groups(out, meta, lambda slots: _pad(slots[kept_dev], R, -1))
     return out
 
@@ -242,7 +244,8 @@ class StaticStep(Step):
             self._views[name] = v
 
     # the metadata fields the model reads on the device (Step._on_device)
-    FIELDS = ("positions", "token_req_idx", "query_start_loc", "seq_lens", "replay_start", "lookback_token_ids")
+    FIELDS = ("positions", "token_req_idx", "query_start_loc", "seq_lens", "replay_start", "lookback_token_ids",
+              "history_rows")
 
     @classmethod
     def _fields(cls, meta: DSV41StepMetadata) -> dict[str, torch.Tensor]:

@@ -38,7 +38,7 @@ from vllm_dsv41 import engram as engram_math
 from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
-from vllm_dsv41.attention.backend import current_step, host_to_device
+from vllm_dsv41.attention.backend import current_step, history_capacity, host_to_device
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fp8_moe,
                                               fp8_row_exponents, fuse_rows_on_cuda,
                                               fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
@@ -47,7 +47,7 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
 from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, graph_mode, in_static_step,
                                               prefill_graph_mode)
 from vllm_dsv41.model_executor.overlap import beside
-from vllm_dsv41.model_executor.step import Step
+from vllm_dsv41.model_executor.step import Step, TokenHistory
 from vllm_dsv41.ops import mhc as mhc_op
 from vllm_dsv41.ops import sparse_attn_gathered
 from vllm_dsv41.ops.sparse_attn import skip_empty_pays
@@ -741,6 +741,8 @@ class DeepseekV41Model(nn.Module):
         self.decoder_carry = decoder_carry_keys(cfg) if self.prune else []
         self._engram = engram_math.engram_hashing_from_config(cfg) if cfg.engram_layer_ids else None
         self._engram_consts: dict[tuple[int, torch.device], tuple[torch.Tensor, ...]] = {}  # engram_rows'
+        self.history_requests = 0  # rows of the token history (backend.history_capacity); set by the causal LM
+        self._history: TokenHistory | None = None
 
     def set_token_map(self, cmap: torch.Tensor) -> None:
         self._cmap = cmap
@@ -756,7 +758,7 @@ class DeepseekV41Model(nn.Module):
     def engram_rows(self, step: Step, layer_id: int) -> torch.Tensor:
         def make() -> torch.Tensor:
             h = self._engram
-            win = step.token_windows(h.max_ngram)
+            win = step.token_windows(h.max_ngram, self._token_history(step.device))
             cmap = self._token_map(win.device)
             cids = torch.where(win >= 0, cmap[win.clamp(min=0)], torch.full_like(win, -1))
             if self._cmap_pad is None:
@@ -768,6 +770,12 @@ class DeepseekV41Model(nn.Module):
             return engram_math.row_ids_from(cids, self._engram_consts[key], self._cmap_pad)
 
         return step.once(("engram", layer_id), make)
+
+    def _token_history(self, device: torch.device) -> TokenHistory | None:
+        """The device token history (made on the first eager step, never inside a capture), None without rows."""
+        if self.history_requests and (self._history is None or self._history.ids.device != device):
+            self._history = TokenHistory(self.history_requests, device)
+        return self._history
 
     def attn_of(self, layer_id: int) -> Attention:
         return self.layers[layer_id].attn
@@ -885,6 +893,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.head = Dense(cfg.vocab_size, cfg.hidden_size, wf.dense_dtype)
         if cfg.engram_layer_ids:
             self.model.set_token_map(_compressed_token_map(vllm_config, cfg))
+            self.model.history_requests = history_capacity(vllm_config.scheduler_config.max_num_seqs)
         self._graph_mode: str | None = None  # decided on the first step (graphs.graph_mode)
         self._graphs: DecodeGraphs | None = None
         self._prefill_graph_mode: str | None = None  # the same for the prefill decoder graphs

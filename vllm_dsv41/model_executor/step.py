@@ -2,7 +2,8 @@
 
 Owns :class:`Step`, a thin wrapper over ``DSV41StepMetadata`` that adds what the
 layers compute once per step and share (top-k selections, candidate blocks), the
-Engram lookback windows built from this step's ids and the runner's history, and
+Engram lookback windows built from this step's ids, the runner's history and the device token history
+(:class:`TokenHistory`, for the ids the host does not know under async scheduling), and
 the move of the (CPU) metadata to the activations' device: every tensor field the
 model reads is copied to ``device`` once per step and cached (on CPU the copy is
 the tensor itself).  Host-side decisions (loop bounds, shapes) read the ``*_cpu``
@@ -218,11 +219,17 @@ class Step:
             view = self._groups[id(md)] = GroupView(md, self.device)
         return view
 
-    def token_windows(self, depth: int) -> torch.Tensor:
+    def token_windows(self, depth: int, history: "TokenHistory | None" = None) -> torch.Tensor:
         """[T, depth] ids of positions p, p-1, ..., p-depth+1 of every token; -1 before position 0.
 
         Lookbacks inside the step come from ``input_ids``, older ones from the runner's lookback ids
-        (nearest first); computed on the device of ``input_ids`` without a host round trip."""
+        (nearest first) or, where the host does not know them (-1: generated ids under async scheduling), from
+        ``history``, which then takes this step's ids; computed on the device of ``input_ids`` without a host
+        round trip.  Once per step and depth (the history is read before it is written)."""
+        return self.once(("token_windows", depth, history is not None),
+                         lambda: self._token_windows(depth, history))
+
+    def _token_windows(self, depth: int, history: "TokenHistory | None") -> torch.Tensor:
         ids = self.input_ids.to(device=self.device, dtype=torch.long)
         dev = self.device
         T = ids.numel()
@@ -238,5 +245,40 @@ class Step:
         have = (li >= 0) & (li < look.shape[1])
         from_look = look[req[:, None], li.clamp(0, look.shape[1] - 1)]
         from_look = torch.where(have, from_look, torch.full_like(from_look, -1))
+        if history is not None:
+            hist_row = self._on_device("history_rows")[req]
+            from_look = torch.where(from_look >= 0, from_look, history.read(hist_row, pos[:, None] - k[None, :]))
+            history.write(hist_row, pos, self.seq_lens[req] - 1, ids)
         out = torch.where(in_chunk, from_ids, from_look)
         return torch.where(pos[:, None] - k[None, :] >= 0, out, torch.full_like(out, -1))
+
+
+class TokenHistory:
+    """Each request's latest token ids on the device: row ``history_rows[i]`` of request i (assigned by the runner
+    hooks, ``backend.TokenHistoryRows``) holds the id of position p at column p % SPAN, for the last SPAN positions
+    the request brought to a step.  Under async scheduling the runner's host token table holds placeholders for the
+    generated ids (they stay on the GPU), so the Engram lookback of a step's first rows comes from here.
+
+    A step reads positions before its rows' first and then writes its rows, so a later write can clobber a position
+    still to be read only when a step brings more than ``SPAN - LOOKBACK_DEPTH`` rows of a request that are not all
+    kept (speculative verify rows: the rejected ones); hence SPAN well above any draft length.  The last row is
+    the sink of rows without a request (padding), never read: reads of rows without one give -1."""
+
+    SPAN = 32
+
+    def __init__(self, requests: int, device: torch.device):
+        self.requests = requests
+        self.ids = torch.full((requests + 1, self.SPAN), -1, dtype=torch.int32, device=device)
+
+    def read(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Ids at ``positions`` [T, k] of the requests' ``rows`` [T] (int64, -1 = none) -> [T, k] int64, -1 where
+        the row is -1."""
+        r = rows[:, None].expand_as(positions)
+        got = self.ids[r.clamp(min=0), positions % self.SPAN].to(torch.int64)
+        return torch.where(r >= 0, got, torch.full_like(got, -1))
+
+    def write(self, rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor, ids: torch.Tensor) -> None:
+        """Store ``ids`` [T] at ``positions`` [T] of ``rows`` [T], keeping each request's positions after
+        ``last - SPAN`` (``last`` [T]: its request's last position in the step); other rows go to the sink."""
+        keep = (rows >= 0) & (positions > last - self.SPAN)
+        self.ids[torch.where(keep, rows, self.requests), positions % self.SPAN] = ids.to(torch.int32)
