@@ -15,6 +15,7 @@
 #                                          # then fp8_moe's tiles vs ogs
 #   scripts/gpu/session.sh decode_attn     # the decode-rows route (FlashMLA on each row's gathered keys) and the grouped
 #                                          # wo_a through the fused-MoE FP8 kernel: CUDA tests, kernel times
+#   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -118,6 +119,11 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only w8a8_grouped --tokens 1 64 --prefill 16384 \
       --iters 10) > "$OUT/grouped-times.log" 2>&1
     grep -E "^wo_a" "$OUT/grouped-times.log" | cut -c1-160 ;;
+  async)
+    # async scheduling with Engram (the tiny checkpoint): tokens and logits equal to the synchronous run's
+    timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tiny_cuda.py -k async \
+      > "$OUT/async-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error|async scheduling" "$OUT/async-tests.log" | tail -8 ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1

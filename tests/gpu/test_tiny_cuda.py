@@ -3,9 +3,8 @@
 Run on the GPU machine: ``python -m pytest -q -s -m gpu tests/gpu``.  Skipped without CUDA.
 
 The engine runs exact mode (``VLLM_DSV41_EXACT=1``: no bounded replay, no decoder pruning) in fp32 with
-``VLLM_USE_V2_MODEL_RUNNER=0`` (our runner hooks patch model runner V1) and without async scheduling (under
-async scheduling the runner's ``token_ids_cpu`` holds placeholders for just-sampled ids, so the Engram
-lookback ids would be wrong).  GPU arithmetic differs from the CPU reference in summation order and
+``VLLM_USE_V2_MODEL_RUNNER=0`` (our runner hooks patch model runner V1) and without async scheduling (so that the
+steps are those of the CPU reference's engine; ``test_async_scheduling_equals_sync`` runs it on).  GPU arithmetic differs from the CPU reference in summation order and
 transcendental functions; such differences can move a value across a decision point of a quantised cache
 record (MXFP8 SWA, NVFP4 compressed KV, MXFP4 index K) and a near-tie between two tokens can then flip.
 So the test asserts (1) at the first step, where the engine and the reference see identical inputs, the
@@ -40,7 +39,7 @@ def prompts():
     return [[0] + torch.randint(3, 990, (n - 1,), generator=g).tolist() for n in lens]
 
 
-def _serve(tiny_ckpt, prompts, ops: str, monkeypatch):
+def _serve(tiny_ckpt, prompts, ops: str, monkeypatch, async_scheduling: bool = False):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -51,8 +50,9 @@ def _serve(tiny_ckpt, prompts, ops: str, monkeypatch):
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=-1)
     # A 1 GiB KV pool, as on CPU (the tiny model needs no more).  Decode steps run as captured CUDA graphs
     # (graphs.py) with the ops path, so the comparison covers capture and replay too.
-    with engine(tiny_ckpt, exact=True, logprobs_mode="raw_logits", max_logprobs=-1, async_scheduling=False,
+    with engine(tiny_ckpt, exact=True, logprobs_mode="raw_logits", max_logprobs=-1, async_scheduling=async_scheduling,
                 kv_cache_memory_bytes=1 << 30) as llm:
+        assert llm.llm_engine.vllm_config.scheduler_config.async_scheduling is async_scheduling
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         graphs = llm.apply_model(lambda m: None if m._graphs is None else (m._graphs.failed, sorted(m._graphs.entries)))[0]
     print(f"[{ops}] decode graphs (failure, captured keys): {graphs}")
@@ -150,3 +150,19 @@ def test_prefill_decoder_graphs_cuda(tiny_ckpt, prompts, monkeypatch):
     worst = max((a - b).abs().max().item() for a, b in zip(runs["0logits"], runs["1logits"]))
     print(f"prefill decoder graphs: tokens equal, step-0 max|dlogit| vs eager {worst:.2e}")
     assert worst < 5e-2
+
+
+def test_async_scheduling_equals_sync(tiny_ckpt, prompts, monkeypatch):
+    """Async scheduling on (vLLM's CUDA default; the tiny checkpoint has Engram layers, whose generated lookback ids
+    then come from the model's device token history, ``step.TokenHistory``): the same tokens and, to fp32 rounding,
+    the same logits as the synchronous run."""
+    runs = {a: _serve(tiny_ckpt, prompts, "auto", monkeypatch, async_scheduling=a) for a in (False, True)}
+    worst = 0.0
+    for k, (s, a) in enumerate(zip(runs[False], runs[True])):
+        ts, ta = list(s.outputs[0].token_ids), list(a.outputs[0].token_ids)
+        assert ts == ta, f"prompt {k}: async {ta} != sync {ts}"
+        for ds, da in zip(s.outputs[0].logprobs, a.outputs[0].logprobs):
+            worst = max(worst, max(abs(ds[t].logprob - da[t].logprob) for t in ds if t in da))
+    print(f"async scheduling: {len(prompts)} prompts x {MAX_TOKENS} tokens equal to sync, largest |logit difference| "
+          f"{worst:.2e}")
+    assert worst < 1e-3
