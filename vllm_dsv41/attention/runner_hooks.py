@@ -176,7 +176,7 @@ def _collect_step_info(runner) -> RunnerStepInfo:
     history = history_rows(runner)
     evicted = history.evicted
     hist_rows = history.rows_for(req_ids)
-    if history.evicted > evicted:
+    if history.evicted > evicted and history.evicted & (history.evicted - 1) == 0:  # at 1, 2, 4, 8, ... evictions
         logger.warning("vllm-dsv41: %d token-history rows were reassigned (more than %d requests alive); a request "
                        "that comes back without being resumed may see wrong Engram lookback ids",
                        history.evicted, history.capacity)
