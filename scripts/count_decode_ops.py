@@ -35,29 +35,12 @@ NO_KERNEL = {"view", "_unsafe_view", "as_strided", "slice", "select", "t", "tran
 MAYBE_COPY = {"to", "contiguous", "flatten", "clone", "_to_copy"}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(ROOT / "ckpt" / "tiny"))
-    ap.add_argument("--plain", action="store_true", help="the dequantised ops path, not the emulated fast path")
-    ap.add_argument("--dummy", action="store_true", help="load_format=dummy (a config-only checkpoint, e.g. the "
-                    "bench layout at small widths)")
-    ap.add_argument("--top", type=int, default=30)
-    args = ap.parse_args()
-    os.environ.update(VLLM_DSV41_OPS="1", VLLM_DSV41_CUDAGRAPH="static", VLLM_DSV41_EXACT="1",
-                      VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
-
-    import pytest
+def launch_counter(sites: collections.Counter):
+    """A dispatch mode that adds one to ``sites[(call site, op name)]`` for every op that launches a kernel: views,
+    allocations and copies that return their input are not counted, nor the ops inside a test stand-in for a vLLM
+    kernel; the call site is the two innermost frames of vllm_dsv41 outside ``ops/``."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from vllm_dsv41.model_executor import graphs
-
-    if not args.plain:
-        from tests.e2e.test_fast_path_emulated import _emulate_fast_path
-
-        _emulate_fast_path(pytest.MonkeyPatch(), torch.bfloat16)
-
-    sites: collections.Counter = collections.Counter()
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args_=(), kwargs=None):
@@ -76,12 +59,37 @@ def main() -> int:
             sites[(site, name)] += 1
             return out
 
+    return Count()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "ckpt" / "tiny"))
+    ap.add_argument("--plain", action="store_true", help="the dequantised ops path, not the emulated fast path")
+    ap.add_argument("--dummy", action="store_true", help="load_format=dummy (a config-only checkpoint, e.g. the "
+                    "bench layout at small widths)")
+    ap.add_argument("--top", type=int, default=30)
+    args = ap.parse_args()
+    os.environ.update(VLLM_DSV41_OPS="1", VLLM_DSV41_CUDAGRAPH="static", VLLM_DSV41_EXACT="1",
+                      VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+
+    import pytest
+    import torch
+    from vllm_dsv41.model_executor import graphs
+
+    if not args.plain:
+        from tests.e2e.test_fast_path_emulated import _emulate_fast_path
+
+        _emulate_fast_path(pytest.MonkeyPatch(), torch.bfloat16)
+
+    sites: collections.Counter = collections.Counter()
+
     run, seen = graphs.DecodeGraphs.run, []
 
     def counted(self, meta, input_ids, device, capture=True):
         model = self.run_model
         if len(seen) == 2:  # a steady decode step (keys already seen)
-            self.run_model = lambda step: _under(Count(), model, step)
+            self.run_model = lambda step: _under(launch_counter(sites), model, step)
         seen.append(meta.num_reqs)
         try:
             return run(self, meta, input_ids, device, capture)

@@ -18,7 +18,6 @@ import argparse
 import collections
 import os
 import sys
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,35 +38,12 @@ def main() -> int:
 
     import pytest
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from scripts.count_decode_ops import MAYBE_COPY, NO_KERNEL
+    from scripts.count_decode_ops import launch_counter
     from tests.e2e.test_fast_path_emulated import _emulate_fast_path
     from vllm_dsv41.model_executor import model as model_mod
 
     _emulate_fast_path(pytest.MonkeyPatch(), torch.bfloat16)
     counts: dict[int, collections.Counter] = {}
-
-    class Count(TorchDispatchMode):
-        def __init__(self, sites):
-            super().__init__()
-            self.sites = sites
-
-        def __torch_dispatch__(self, func, types, args_=(), kwargs=None):
-            out = func(*args_, **(kwargs or {}))
-            name = func.overloadpacket.__name__
-            if name in NO_KERNEL:
-                return out
-            if (name in MAYBE_COPY and isinstance(out, torch.Tensor) and args_ and isinstance(args_[0], torch.Tensor)
-                    and out.data_ptr() == args_[0].data_ptr() and out.dtype == args_[0].dtype):
-                return out
-            stack = traceback.extract_stack()
-            if any("/tests/" in f.filename for f in stack[-6:]):
-                return out
-            ours = [f for f in stack if "vllm_dsv41" in f.filename and "/ops/" not in f.filename]
-            site = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(ours[-2:])) or "?"
-            self.sites[(site, name)] += 1
-            return out
 
     final_hidden = model_mod.DeepseekV41ForCausalLM._final_hidden
     want: dict = {}
@@ -77,7 +53,7 @@ def main() -> int:
         n = meta.num_tokens
         if "reqs" in want and meta.num_reqs == want["reqs"] + 1 and n > meta.num_reqs:
             sites = counts.setdefault(want.pop("reqs"), collections.Counter())
-            with Count(sites):
+            with launch_counter(sites):
                 return final_hidden(self, step, e)
         return final_hidden(self, step, e)
 
