@@ -237,6 +237,25 @@ def test_kept_row_buckets():
     assert all(n <= kept_row_bucket(n) < n + 1024 for n in range(1, 9000, 7))
 
 
+def test_graph_modes_default_to_capture_on_cuda_with_the_ops(monkeypatch):
+    """Both graph switches default to capture on CUDA with the ops path (the prefill decoder graphs since session 18),
+    ``0`` turns either off, ``static`` runs the padded steps uncaptured, the CPU never captures, and a misspelt value
+    names the variable."""
+    from vllm_dsv41.model_executor import graphs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    for env, mode in ((graphs.GRAPH_ENV, graphs.graph_mode), (graphs.PREFILL_GRAPH_ENV, graphs.prefill_graph_mode)):
+        monkeypatch.delenv(env, raising=False)
+        assert (mode(cuda, True), mode(cuda, False), mode(cpu, True)) == ("capture", "off", "off"), env
+        monkeypatch.setenv(env, "0")
+        assert mode(cuda, True) == "off"
+        monkeypatch.setenv(env, "static")
+        assert (mode(cpu, True), mode(cpu, False)) == ("static", "off")
+        monkeypatch.setenv(env, "sometimes")
+        with pytest.raises(ValueError, match=env):
+            mode(cuda, True)
+
+
 def test_decoder_graphs_capture_at_most_max_buckets(monkeypatch):
     """Past ``MAX_DECODER_GRAPHS`` captured buckets a new bucket's decoder steps run eagerly (the same answer) and
     nothing more is captured; below it the step is captured."""

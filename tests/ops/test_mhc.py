@@ -62,6 +62,27 @@ def post_pre_args(t):
     return (*post_args(t), *pre_args(t)[1:])
 
 
+def collapse_args(t):
+    return (t["stream"], t["pre_prev"], t["norm_w"], EPS)
+
+
+def post_collapse_args(t):
+    return (*post_args(t), t["pre_prev"], t["norm_w"], EPS)
+
+
+def coeffs_args(t):
+    return (t["stream"], t["fn"], t["base"], t["scale"], EPS, HC_EPS, ITERS)
+
+
+ARGS = {"pre": pre_args, "post": post_args, "post_pre": post_pre_args, "collapse": collapse_args,
+        "post_collapse": post_collapse_args, "coeffs": coeffs_args}
+REFS = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref,
+        "collapse": mhc.mhc_collapse_ref, "post_collapse": mhc.mhc_post_collapse_ref, "coeffs": mhc.mhc_coeffs_ref}
+OUT_NAMES = {"pre": ("x", "pre", "post", "comb"), "post": ("stream",),
+             "post_pre": ("stream", "x", "pre", "post", "comb"), "collapse": ("x",), "post_collapse": ("stream", "x"),
+             "coeffs": ("pre", "post", "comb")}
+
+
 def model_pre(t):
     """The boundary as the reference model composes it (fp32 stream)."""
     S = t["stream"].float()
@@ -124,9 +145,23 @@ def test_registered_ops_on_cpu_are_the_references(dtype):
 
 def test_fake_impls():
     t = make_inputs(3, 4, 64, torch.bfloat16)
-    ops = torch.ops.dsv41
-    for op, args in ((ops.mhc_pre, pre_args(t)), (ops.mhc_post, post_args(t)), (ops.mhc_post_pre, post_pre_args(t))):
-        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    for name, args in ARGS.items():
+        torch.library.opcheck(getattr(torch.ops.dsv41, f"mhc_{name}"), args(t),
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_boundary_refs_compose_to_the_fused_ones(dtype):
+    """The deferred-coefficient boundary (``mhc_collapse`` / ``mhc_post_collapse`` now, ``mhc_coeffs`` beside the
+    sublayer) gives bitwise the fused ops' numbers on the reference path: the model may take either."""
+    t = make_inputs(5, 4, 96, dtype)
+    fused = mhc.mhc_pre_ref(*pre_args(t))
+    split = (mhc.mhc_collapse_ref(*collapse_args(t)), *mhc.mhc_coeffs_ref(*coeffs_args(t)))
+    assert all(torch.equal(a, b) for a, b in zip(fused, split, strict=True))
+    fused = mhc.mhc_post_pre_ref(*post_pre_args(t))
+    S, x = mhc.mhc_post_collapse_ref(*post_collapse_args(t))
+    split = (S, x, *mhc.mhc_coeffs_ref(S, *coeffs_args(t)[1:]))
+    assert all(torch.equal(a, b) for a, b in zip(fused, split, strict=True))
 
 
 # --------------------------------------------------------------------------- (b) Triton interpreter
@@ -148,6 +183,16 @@ INTERPRET_CASES = {
     "pre-T5-H96-bf16-gemm-bh32": ("pre", 5, 4, 96, "bfloat16", {"project": False, "block_h": 32}, False),
     "post_pre-T17-H64-fp32-gemm-strided": ("post_pre", 17, 4, 64, "float32", {"project": False, "split": 2,
                                                                                "block_h": 32}, True),
+    # the deferred-coefficient boundary: collapse now (normalising epilogue columns only), coefficients beside
+    # the sublayer (the coefficient column only)
+    "collapse-T3-H96-bf16": ("collapse", 3, 4, 96, "bfloat16", None, False),
+    "collapse-T9-H640-fp32-split40-strided": ("collapse", 9, 4, 640, "float32", {"block_h": 16, "split": 40}, True),
+    "post_collapse-T3-H96-bf16": ("post_collapse", 3, 4, 96, "bfloat16", None, False),
+    "post_collapse-T17-H64-fp32-bt4-strided": ("post_collapse", 17, 4, 64, "float32", {"block_t": 4, "block_h": 32},
+                                               True),
+    "coeffs-T3-H96-bf16": ("coeffs", 3, 4, 96, "bfloat16", None, False),
+    "coeffs-T9-H640-fp32-split40": ("coeffs", 9, 4, 640, "float32", {"block_h": 16, "split": 40}, False),
+    "coeffs-T5-H96-bf16-gemm": ("coeffs", 5, 4, 96, "bfloat16", {"project": False, "block_h": 32}, False),
 }
 
 # Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even; the
@@ -170,10 +215,10 @@ if _convert is not None:
 out = {}
 for name, case in t.INTERPRET_CASES.items():
     inputs, args, ref = t.interpret_case(*case)
-    fn = {"pre": mhc._mhc_pre_triton, "post": mhc._mhc_post_triton, "post_pre": mhc._mhc_post_pre_triton}[case[0]]
+    fn = getattr(mhc, f"_mhc_{case[0]}_triton")
     got = fn(*args, config=case[5])
-    # the fused op's stream must equal mhc_post's bit for bit (same arithmetic, same order)
-    alone = mhc._mhc_post_triton(*args[:4]) if case[0] == "post_pre" else None
+    # the fused ops' stream must equal mhc_post's bit for bit (same arithmetic, same order)
+    alone = mhc._mhc_post_triton(*args[:4]) if case[0] in ("post_pre", "post_collapse") else None
     out[name] = (ref, got if isinstance(got, tuple) else (got,), alone)
 torch.save(out, sys.argv[1])
 """
@@ -191,8 +236,8 @@ def interpret_case(op, T, C, H, dtype, config, strided):
     t = make_inputs(T, C, H, getattr(torch, dtype), seed=T * 100 + H)
     if strided:
         t.update(stream=_strided(t["stream"]), y=_strided(t["y"]), pre_prev=_strided(t["pre_prev"]))
-    args = {"pre": pre_args, "post": post_args, "post_pre": post_pre_args}[op](t)
-    ref = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref}[op](*args)
+    args = ARGS[op](t)
+    ref = REFS[op](*args)
     return t, args, ref if isinstance(ref, tuple) else (ref,)
 
 
@@ -212,8 +257,7 @@ def interpreted(tmp_path_factory):
 @pytest.mark.parametrize("case", list(INTERPRET_CASES))
 def test_triton_interpreted(interpreted, case):
     ref, got, post_alone = interpreted[case]
-    names = {"pre": ("x", "pre", "post", "comb"), "post": ("stream",),
-             "post_pre": ("stream", "x", "pre", "post", "comb")}[INTERPRET_CASES[case][0]]
+    names = OUT_NAMES[INTERPRET_CASES[case][0]]
     for name, a, b in zip(names, ref, got, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert_close(f"{case} {name}", a, b, ratio=_ratio(a.dtype))
@@ -232,12 +276,12 @@ def _ratio(dtype: torch.dtype) -> float:
 
 @requires_cuda
 @pytest.mark.parametrize("T", [1, 7, 64, 2048])
-@pytest.mark.parametrize("op", ["pre", "post", "post_pre"])
+@pytest.mark.parametrize("op", list(ARGS))
 def test_cuda_ops_match_reference(op, T):
     t = make_inputs(T, 4, 5120, torch.bfloat16, seed=T, device="cuda")
-    args = {"pre": pre_args, "post": post_args, "post_pre": post_pre_args}[op](t)
+    args = ARGS[op](t)
     got = getattr(torch.ops.dsv41, f"mhc_{op}")(*args)
-    ref = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref}[op](*args)
+    ref = REFS[op](*args)
     got, ref = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert a.shape == b.shape and a.dtype == b.dtype and b.is_cuda
@@ -253,6 +297,21 @@ def test_cuda_fused_stream_is_bitwise_post(T):
     pre_on_new = torch.ops.dsv41.mhc_pre(fused[0], *pre_args(t)[1:])
     for name, a, b in zip(("x", "pre", "post", "comb"), pre_on_new, fused[1:]):
         assert_close(f"fused vs post+pre T={T} {name}", a, b, ratio=_ratio(a.dtype))
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 16, 64])
+def test_cuda_split_boundary_equals_fused(T):
+    """The deferred-coefficient boundary against the fused ops at decode sizes: the post-mixed stream bitwise equal
+    to ``mhc_post``'s, x and the coefficients to the fused ops' tolerance."""
+    t = make_inputs(T, 4, 5120, torch.bfloat16, seed=T, device="cuda")
+    ops = torch.ops.dsv41
+    fused = ops.mhc_post_pre(*post_pre_args(t))
+    S, x = ops.mhc_post_collapse(*post_collapse_args(t))
+    assert torch.equal(S, ops.mhc_post(*post_args(t)))
+    split = (S, x, *ops.mhc_coeffs(S, *coeffs_args(t)[1:]))
+    for name, a, b in zip(("stream", "x", "pre", "post", "comb"), fused, split, strict=True):
+        assert_close(f"split vs fused T={T} {name}", a, b, ratio=_ratio(a.dtype))
 
 
 @requires_cuda

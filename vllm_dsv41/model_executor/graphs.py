@@ -25,8 +25,9 @@ bucket) key.  In a prunable layout those layers own no compressor and no Engram:
 encoder wrote and write only their SWA rings, so the kept rows make a step of their own (:func:`kept_step_meta`).
 Eager, their launches cost the host as much as an encoder layer's for a fraction of the GPU work, which left the
 GPU waiting at the end of every prefill chunk (docs/benchmarks.md, session 13).  ``VLLM_DSV41_PREFILL_GRAPHS``:
-``0`` (default until measured on a GPU), ``1`` (capture on CUDA with the ops path) or ``static`` (the padded
-static decoder steps without capture, on any device).
+``auto`` (the default, as ``1``), ``1`` (capture on CUDA with the ops path), ``0`` (eager) or ``static`` (the
+padded static decoder steps without capture, on any device).  On by default since session 18: the no-crash sweep
+ran with them and the batch-64 workload gained (docs/benchmarks.md, sessions 16 and 18).
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def graph_mode(device: torch.device, use_ops: bool) -> str:
 
 def prefill_graph_mode(device: torch.device, use_ops: bool) -> str:
     """``capture``, ``static`` or ``off`` for the decoder layers of prefill steps (``VLLM_DSV41_PREFILL_GRAPHS``:
-    ``0`` by default, ``1`` or ``static``; see the module docstring)."""
-    return _env_mode(PREFILL_GRAPH_ENV, "0", ("1", "true", "on", "yes"), "0, 1 or static", device, use_ops)
+    ``auto`` by default, ``1``, ``0`` or ``static``; see the module docstring)."""
+    return _env_mode(PREFILL_GRAPH_ENV, "auto", ("auto", "1", "true", "on", "yes"), "auto, 0, 1 or static", device,
+                     use_ops)
 
 
 def kept_row_bucket(n: int) -> int:

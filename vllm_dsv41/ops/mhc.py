@@ -99,20 +99,31 @@ def _triton():
 
 
 
-def mhc_pre_ref(stream: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float, hc_eps: float,
-                iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """stream [T, C, H] -> x [T, H] (stream's dtype), pre [T, C], post [T, C], comb [T, C, C] (fp32)."""
+def mhc_coeffs_ref(stream: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, eps: float,
+                   hc_eps: float, iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """stream [T, C, H] -> the boundary's pre [T, C], post [T, C], comb [T, C, C] (fp32)."""
     T, C, _ = stream.shape
-    s = stream.float()
-    v = s.flatten(1)
+    v = stream.float().flatten(1)
     m = (v @ fn.float().t()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
     pre = torch.sigmoid(scale[0] * m[:, :C] + base[:C]) + hc_eps
     post = 2.0 * torch.sigmoid(scale[1] * m[:, C:2 * C] + base[C:2 * C])
     comb = sinkhorn((scale[2] * m[:, 2 * C:] + base[2 * C:]).view(T, C, C), hc_eps, iters)
-    h = (pre_prev.float().unsqueeze(-1) * s).sum(1)
+    return pre, post, comb
+
+
+def mhc_collapse_ref(stream: torch.Tensor, pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float) -> torch.Tensor:
+    """stream [T, C, H], pre_prev [T, C] -> x = RMSNorm_w(sum_j pre_prev[j] * S[j]) [T, H] (stream's dtype)."""
+    h = (pre_prev.float().unsqueeze(-1) * stream.float()).sum(1)
     x = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
-    return x.to(stream.dtype), pre, post, comb
+    return x.to(stream.dtype)
+
+
+def mhc_pre_ref(stream: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float, hc_eps: float,
+                iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """stream [T, C, H] -> x [T, H] (stream's dtype), pre [T, C], post [T, C], comb [T, C, C] (fp32)."""
+    return (mhc_collapse_ref(stream, pre_prev, norm_w, eps),
+            *mhc_coeffs_ref(stream, fn, base, scale, eps, hc_eps, iters))
 
 
 def mhc_post_ref(stream: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -127,6 +138,14 @@ def mhc_post_pre_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torch.Ten
     """Post-mix of the previous sublayer, then the next boundary's pre -> (new stream, x, pre, post, comb)."""
     new_stream = mhc_post_ref(stream, y, post_prev, comb_prev)
     return (new_stream, *mhc_pre_ref(new_stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters))
+
+
+def mhc_post_collapse_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torch.Tensor, comb_prev: torch.Tensor,
+                          pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post-mix of the previous sublayer, then the next boundary's collapse -> (new stream, x); the boundary's
+    coefficients come from ``mhc_coeffs`` on the new stream."""
+    new_stream = mhc_post_ref(stream, y, post_prev, comb_prev)
+    return new_stream, mhc_collapse_ref(new_stream, pre_prev, norm_w, eps)
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -155,6 +174,7 @@ def _mhc_pre_kernel(
     C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, PROJECT: tl.constexpr,
+    COLLAPSE: tl.constexpr = True,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -175,8 +195,9 @@ def _mhc_pre_kernel(
     offs_n = tl.arange(0, NP)
     mask_n = offs_n < NMIX
 
-    pp = tl.load(pre_prev_ptr + offs_t[:, None] * stride_ppt + offs_c[None, :] * stride_ppc,
-                 mask=mask_t[:, None], other=0.0).to(tl.float32)                      # [BLOCK_T, C]
+    if COLLAPSE:
+        pp = tl.load(pre_prev_ptr + offs_t[:, None] * stride_ppt + offs_c[None, :] * stride_ppc,
+                     mask=mask_t[:, None], other=0.0).to(tl.float32)                  # [BLOCK_T, C]
 
     acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     ssq_v = tl.zeros([BLOCK_T], dtype=tl.float32)
@@ -189,7 +210,8 @@ def _mhc_pre_kernel(
         if FUSE_POST:
             y = tl.load(y_ptr + offs_t[:, None] * stride_yt + offs_h[None, :] * stride_yh,
                         mask=mask_th, other=0.0).to(tl.float32)                      # [BLOCK_T, BLOCK_H]
-        h = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
+        if COLLAPSE:  # else only the projection and sum(v^2) (``mhc_coeffs``)
+            h = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(C):
             if FUSE_POST:
                 # new stream j = sum_i comb[i, j] * S[i] + post[j] * y, rounded to S's dtype before use.
@@ -227,11 +249,13 @@ def _mhc_pre_kernel(
                     acc = tl.dot(s_j.to(tl.float32), f_j, acc, input_precision="tf32x3")
             s_j = s_j.to(tl.float32)
             ssq_v += tl.sum(s_j * s_j, axis=1)
-            pp_j = tl.sum(tl.where(offs_c[None, :] == j, pp, 0.0), axis=1)                # [BLOCK_T]
-            h += pp_j[:, None] * s_j
-        ssq_h += tl.sum(h * h, axis=1)
-        tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_h[None, :] * stride_hh,
-                 h.to(h_ptr.dtype.element_ty), mask=mask_th)
+            if COLLAPSE:
+                pp_j = tl.sum(tl.where(offs_c[None, :] == j, pp, 0.0), axis=1)            # [BLOCK_T]
+                h += pp_j[:, None] * s_j
+        if COLLAPSE:
+            ssq_h += tl.sum(h * h, axis=1)
+            tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_h[None, :] * stride_hh,
+                     h.to(h_ptr.dtype.element_ty), mask=mask_th)
 
     acc = tl.where(offs_n[None, :] == NMIX, ssq_v[:, None], acc)
     acc = tl.where(offs_n[None, :] == NMIX + 1, ssq_h[:, None], acc)
@@ -542,6 +566,129 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     return new_stream, x, pre, post, comb
 
 
+def _collapse_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
+    """Launch parameters of ``_mhc_pre_kernel`` as the collapse of ``mhc_collapse`` / ``mhc_post_collapse`` (no
+    projection: a streaming kernel): 2-token blocks and 256-wide H chunks (16 x 128 with the post-mix, as
+    :func:`_stream_config`), split until about four programs per SM.  Decode sizes only (see :func:`split_rows`);
+    the tiles are a first choice, not yet timed on a GPU."""
+    block_t, block_h = (16, 128) if fuse_post else (2, 256)
+    split = max(1, min(_cdiv(4 * sm_count(device), _cdiv(T, block_t)), _cdiv(H, block_h)))
+    return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4, num_stages=2)
+
+
+def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config):
+    """``mhc_collapse`` (``post_inputs`` None) and ``mhc_post_collapse``: the pre kernel without the projection
+    (post-mix, collapse and both sums of squares), then only the epilogue's normalising columns."""
+    assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
+    T, C, H = stream.shape
+    assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
+    assert pre_prev.shape == (T, C) and norm_w.shape == (H,) and norm_w.is_contiguous()
+    dev = stream.device
+    x = torch.empty(T, H, dtype=stream.dtype, device=dev)
+    fuse = post_inputs is not None
+    new_stream = torch.empty_like(stream) if fuse else None
+    if T == 0:
+        return new_stream, x
+    nmix = (2 + C) * C
+    cfg = {**_collapse_config(T, H, fuse, dev), **(config or {})}
+    block_h = cfg["block_h"]
+    hs = _cdiv(_cdiv(H, cfg["split"]), block_h) * block_h
+    split = _cdiv(H, hs)
+    np_ = _next_pow2(nmix + 2)
+    part = torch.empty(split, T, np_, dtype=torch.float32, device=dev)
+    if fuse:
+        y, post_prev, comb_prev = post_inputs
+        assert y.shape == (T, H) and post_prev.shape == (T, C) and comb_prev.shape == (T, C, C)
+        src = (y, post_prev, comb_prev, new_stream)
+        src_strides = (*y.stride(), *post_prev.stride(), *comb_prev.stride(), *new_stream.stride())
+    else:
+        src = (stream, pre_prev, pre_prev, stream)  # placeholders, never dereferenced
+        src_strides = (0,) * 10
+    k = _kernels()
+    k.pre[(_cdiv(T, cfg["block_t"]), split)](
+        stream, *src, stream, pre_prev, x, part,  # fn: a placeholder (PROJECT off)
+        T, H, hs,
+        *stream.stride(), *src_strides, 0, 0, *pre_prev.stride(), *x.stride(), *part.stride(),
+        C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
+        FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    ep_t, ep_h = 8, 512
+    nhb = _cdiv(H, ep_h)
+    # program columns 0 .. nhb-1 only: the coefficient column (NHB) is left to mhc_coeffs
+    k.pre_epilogue[(_cdiv(T, ep_t), nhb)](
+        part, part, part, norm_w, x, part, part, part,  # base, scale, pre, post, comb: never dereferenced
+        T, H, split, nhb,
+        1.0 / (C * H), 1.0 / H, eps, 0.0, 1,
+        *part.stride(), *x.stride(), 0, 0, 0, 0, 0, 0, 0,
+        C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
+    )
+    return new_stream, x
+
+
+def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
+    """``mhc_coeffs``: the pre kernel without the collapse (the projection and sum(v^2); cuBLAS from ``gemm_from()``
+    rows), then only the epilogue's coefficient column."""
+    assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
+    T, C, H = stream.shape
+    nmix = (2 + C) * C
+    assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
+    assert fn.dtype == torch.float32 and fn.shape == (nmix, C * H) and fn.stride(1) == 1, "fn: fp32 [(2+C)*C, C*H]"
+    assert base.shape == (nmix,) and base.is_contiguous() and base.dtype == torch.float32
+    assert scale.shape == (3,) and scale.is_contiguous() and scale.dtype == torch.float32
+    dev = stream.device
+    pre = torch.empty(T, C, dtype=torch.float32, device=dev)
+    post = torch.empty(T, C, dtype=torch.float32, device=dev)
+    comb = torch.empty(T, C, C, dtype=torch.float32, device=dev)
+    if T == 0:
+        return pre, post, comb
+    project = (config or {}).get("project", T < gemm_from())
+    cfg = {**(_pre_config(T, H, False, dev) if project else _stream_config(T, H, False, dev)), **(config or {})}
+    block_h = cfg["block_h"]
+    hs = _cdiv(_cdiv(H, cfg["split"]), block_h) * block_h
+    split = _cdiv(H, hs)
+    np_ = _next_pow2(nmix + 2)
+    part = torch.empty(split, T, np_, dtype=torch.float32, device=dev)
+    k = _kernels()
+    k.pre[(_cdiv(T, cfg["block_t"]), split)](
+        stream, stream, pre, comb, stream, fn, pre, part, part,  # y, post_prev, comb_prev, snew, pre_prev, h: unused
+        T, H, hs,
+        *stream.stride(), *(0,) * 10, *fn.stride(), 0, 0, 0, 0, *part.stride(),
+        C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
+        FUSE_POST=False, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
+        COLLAPSE=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not project:
+        v = stream.reshape(T, C * H)
+        part[0, :, :nmix] = _bf16_projection(v, fn) if v.dtype == torch.bfloat16 else _fp32_projection(v.float(), fn)
+    ep_t = 8
+    # one program column, the coefficient one (NHB = 0): x and the norm weight are never touched
+    k.pre_epilogue[(_cdiv(T, ep_t), 1)](
+        part, base, scale, base, part, pre, post, comb,
+        T, H, split, 0,
+        1.0 / (C * H), 1.0 / H, eps, hc_eps, iters,
+        *part.stride(), 0, 0, *pre.stride(), *post.stride(), *comb.stride(),
+        C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=512, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
+    )
+    return pre, post, comb
+
+
+def _mhc_collapse_triton(stream, pre_prev, norm_w, eps: float, config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_collapse``."""
+    return _launch_collapse(stream, pre_prev, norm_w, eps, None, config)[1]
+
+
+def _mhc_post_collapse_triton(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps: float,
+                              config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_post_collapse``: the post-mix arithmetic of ``mhc_post`` (bitwise)."""
+    return _launch_collapse(stream, pre_prev, norm_w, eps, (y, post_prev, comb_prev), config)
+
+
+def _mhc_coeffs_triton(stream, fn, base, scale, eps: float, hc_eps: float, iters: int, config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_coeffs``."""
+    return _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config)
+
+
 def _mhc_pre_triton(stream, fn, base, scale, pre_prev, norm_w, eps: float, hc_eps: float, iters: int,
                     config: dict | None = None):
     """CUDA (or interpreter) path of ``mhc_pre``; ``config`` overrides ``_pre_config`` (benchmark sweeps)."""
@@ -593,6 +740,18 @@ def _mhc_post_pre_fake(stream, y, post_prev, comb_prev, fn, base, scale, pre_pre
     return (torch.empty_like(stream), *_mhc_pre_fake(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters))
 
 
+def _mhc_collapse_fake(stream, pre_prev, norm_w, eps):
+    return stream.new_empty(stream.shape[0], stream.shape[2])
+
+
+def _mhc_post_collapse_fake(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps):
+    return torch.empty_like(stream), _mhc_collapse_fake(stream, pre_prev, norm_w, eps)
+
+
+def _mhc_coeffs_fake(stream, fn, base, scale, eps, hc_eps, iters):
+    return _mhc_pre_fake(stream, fn, base, scale, None, None, eps, hc_eps, iters)[1:]
+
+
 # --------------------------------------------------------------------------- registration
 
 _PRE_ARGS = "Tensor fn, Tensor base, Tensor scale, Tensor pre_prev, Tensor norm_w, float eps, float hc_eps, int iters"
@@ -608,3 +767,16 @@ mhc_post_pre = define_op(
     f"(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, {_PRE_ARGS}) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     mhc_post_pre_ref, _mhc_post_pre_triton, _mhc_post_pre_fake)
+mhc_collapse = define_op(
+    "mhc_collapse", "(Tensor stream, Tensor pre_prev, Tensor norm_w, float eps) -> Tensor",
+    mhc_collapse_ref, _mhc_collapse_triton, _mhc_collapse_fake)
+mhc_post_collapse = define_op(
+    "mhc_post_collapse",
+    "(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, Tensor pre_prev, Tensor norm_w, float eps) "
+    "-> (Tensor, Tensor)",
+    mhc_post_collapse_ref, _mhc_post_collapse_triton, _mhc_post_collapse_fake)
+mhc_coeffs = define_op(
+    "mhc_coeffs",
+    "(Tensor stream, Tensor fn, Tensor base, Tensor scale, float eps, float hc_eps, int iters) "
+    "-> (Tensor, Tensor, Tensor)",
+    mhc_coeffs_ref, _mhc_coeffs_triton, _mhc_coeffs_fake)
