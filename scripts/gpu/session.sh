@@ -15,6 +15,7 @@
 #                                          # then fp8_moe's tiles vs ogs
 #   scripts/gpu/session.sh decode_attn     # the decode-rows route (FlashMLA on each row's gathered keys) and the grouped
 #                                          # wo_a through the fused-MoE FP8 kernel: CUDA tests, kernel times
+#   scripts/gpu/session.sh split [ARGS]    # the split mHC boundary: CUDA tests, a timeline with it off / on, twice each
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
@@ -119,6 +120,17 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only w8a8_grouped --tokens 1 64 --prefill 16384 \
       --iters 10) > "$OUT/grouped-times.log" 2>&1
     grep -E "^wo_a" "$OUT/grouped-times.log" | cut -c1-160 ;;
+  split)
+    # the split mHC boundary (VLLM_DSV41_MHC_SPLIT_ROWS, session 18): the mHC CUDA tests, then one workload's
+    # timeline (the rest of the arguments; default batch 64) with it off and on, twice each, alternating
+    shift
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_mhc.py > "$OUT/split-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/split-tests.log" | tail -8
+    for rows in 0 64 0 64; do
+      VLLM_DSV41_MHC_SPLIT_ROWS=$rows timeout 110 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
+        > "$OUT/timeline-split$rows.log" 2>&1
+      echo "split rows $rows: $(grep -E '^(timed run|decode  )' "$OUT/timeline-split$rows.log" | tr -s ' ' | tr '\n' ' ')"
+    done ;;
   async)
     # async scheduling with Engram (the tiny checkpoint): tokens and logits equal to the synchronous run's
     timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tiny_cuda.py -k async \

@@ -63,12 +63,28 @@ def _vocab_logits(out) -> torch.Tensor:
 def test_exact_mode_matches_reference(tiny_ckpt, tiny_model, prompts, chunk, ops, monkeypatch):
     """``ops``: VLLM_DSV41_OPS, i.e. the plain-PyTorch path or the torch.ops.dsv41 wiring (whose CPU
     implementations are the op references)."""
+    from vllm_dsv41.model_executor import model as model_mod
+    from vllm_dsv41.ops import mhc
+
     monkeypatch.setenv("VLLM_DSV41_OPS", ops)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1)
     if chunk:
         kw.update(enable_chunked_prefill=True, max_num_batched_tokens=chunk)
+    # the ops path takes the split mHC boundaries (coefficients beside the sublayer) up to split_rows() rows, the
+    # fused ones above: both must run here, and both equal the reference
+    seen = {"split": 0, "fused": 0}
+    ops_fwd = model_mod.DecoderLayer._forward_ops
+
+    def counted(self, model, step, S, *a):
+        seen["split" if S.shape[0] <= mhc.split_rows() else "fused"] += 1
+        return ops_fwd(self, model, step, S, *a)
+
+    monkeypatch.setattr(model_mod.DecoderLayer, "_forward_ops", counted)
+    monkeypatch.setattr(mhc, "SPLIT_ROWS_DEFAULT", 20)  # decode steps and short prompts split, longer ones fused
     with engine(tiny_ckpt, exact=True, **kw) as llm:
         outs = _generate(llm, prompts, logits=True)
+    if ops == "1":
+        assert seen["split"] and seen["fused"], f"layer passes by mHC boundary kind: {seen}"
     worst = 0.0
     for p, o in zip(prompts, outs):
         ref_tokens, ref_logits = tiny_model.generate(p, MAX_TOKENS)

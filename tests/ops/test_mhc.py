@@ -345,6 +345,17 @@ def test_gemm_from_env(monkeypatch):
         mhc.gemm_from()
 
 
+def test_split_rows_env(monkeypatch):
+    monkeypatch.delenv(mhc.SPLIT_ROWS_ENV, raising=False)
+    assert mhc.split_rows() == mhc.SPLIT_ROWS_DEFAULT
+    monkeypatch.setenv(mhc.SPLIT_ROWS_ENV, "0")
+    assert mhc.split_rows() == 0
+    for bad in ("some", "-1"):
+        monkeypatch.setenv(mhc.SPLIT_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match="VLLM_DSV41_MHC_SPLIT_ROWS"):
+            mhc.split_rows()
+
+
 @requires_cuda
 def test_cuda_empty_batch():
     t = make_inputs(0, 4, 5120, torch.bfloat16, device="cuda")

@@ -697,7 +697,10 @@ class DecoderLayer(nn.Module):
     def _forward_ops(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
                      tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
         """The same layer with the mHC boundaries as ops: ``mhc_pre`` (attention boundary),
-        ``mhc_post_pre`` (attention post-mix + FFN boundary), ``mhc_post`` (FFN post-mix)."""
+        ``mhc_post_pre`` (attention post-mix + FFN boundary), ``mhc_post`` (FFN post-mix); up to
+        ``mhc_op.split_rows()`` rows the split boundaries of :meth:`_forward_split`."""
+        if S.shape[0] <= mhc_op.split_rows():
+            return self._forward_split(model, step, S, pre, tok, rows, floors)
         ops = _ops()
         args = (self.eps, self.hc_eps, self.iters)
         x, pre_a, post_a, comb_a = ops.mhc_pre(S, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, pre,
@@ -708,6 +711,24 @@ class DecoderLayer(nn.Module):
                                                        self.hc_ffn_base, self.hc_ffn_scale, step.take(pre_a, rows),
                                                        self.ffn_norm.weight, *args)
         return ops.mhc_post(S, self.ffn(x, ops=True), post_f, comb_f), pre_f
+
+    def _forward_split(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
+                       tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
+        """:meth:`_forward_ops` with each boundary split (decode sizes): x from ``mhc_collapse`` /
+        ``mhc_post_collapse`` (the previous boundary's pre-mix), the boundary's coefficients from ``mhc_coeffs`` on
+        the side stream while the sublayer runs; the same numbers on the reference path."""
+        ops = _ops()
+        args = (self.eps, self.hc_eps, self.iters)
+        x = ops.mhc_collapse(S, pre, self.attn_norm.weight, self.eps)
+        y, (pre_a, post_a, comb_a) = beside(
+            x, lambda: ops.mhc_coeffs(S, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *args),
+            lambda: self.attn(model, step, x, tok, rows, floors), lane=1)
+        S, x = ops.mhc_post_collapse(step.take(S, rows), y, step.take(post_a, rows), step.take(comb_a, rows),
+                                     step.take(pre_a, rows), self.ffn_norm.weight, self.eps)
+        f, (pre_f, post_f, comb_f) = beside(
+            x, lambda: ops.mhc_coeffs(S, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *args),
+            lambda: self.ffn(x, ops=True), lane=1)
+        return ops.mhc_post(S, f, post_f, comb_f), pre_f
 
 
 def kept_rows_host(step: Step, window: int) -> torch.Tensor:
@@ -882,6 +903,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         sparse_attn_gathered.mode()  # a misspelt VLLM_DSV41_PREFILL_ATTN fails the engine start, not a request
         sparse_attn_gathered.decode_mode()  # the same for VLLM_DSV41_DECODE_ATTN
         mhc_op.gemm_from()  # the same for VLLM_DSV41_MHC_GEMM_FROM
+        mhc_op.split_rows()  # and VLLM_DSV41_MHC_SPLIT_ROWS
         cfg = self.cfg
         self.weights = WeightFormat.choose(exact_mode())
         wf = self.weights

@@ -2,6 +2,9 @@
 the routed experts (``MoE.forward``), and the compressor's cache writes and the indexer's selection next to the query
 projection (``Attention.forward``).
 
+Lane 1 (``mhc_coeffs`` beside a whole sublayer, ``DecoderLayer._forward_split``): the boundary's projection and
+Sinkhorn, which the sublayer does not read.
+
 Why: in a batch-64 decode step the routed experts stream their weights at ~3.4 TB/s while the shared expert's
 two FP8 GEMMs, its activation and its two activation quantisations (~25 µs a layer, ~1 ms of a ~20 ms step on the
 H200, docs/benchmarks.md) are small launches that leave most SMs idle; run on a second stream they fill the gaps
@@ -45,24 +48,26 @@ def overlap_rows() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _side_stream(device_index: int) -> torch.cuda.Stream:
+def _side_stream(device_index: int, lane: int = 0) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)
 
 
-def side_stream_for(x: torch.Tensor) -> torch.cuda.Stream | None:
-    """The side stream of ``x``'s device when a pass over ``x``'s rows should overlap, else None (CPU tensors,
-    empty passes, more rows than the limit)."""
+def side_stream_for(x: torch.Tensor, lane: int = 0) -> torch.cuda.Stream | None:
+    """The side stream (``lane``: one per kind of side work, so that one kind never queues behind another) of
+    ``x``'s device when a pass over ``x``'s rows should overlap, else None (CPU tensors, empty passes, more rows
+    than the limit)."""
     if not x.is_cuda or x.shape[0] == 0 or x.shape[0] > overlap_rows():
         return None
-    return _side_stream(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return _side_stream(x.device.index if x.device.index is not None else torch.cuda.current_device(), lane)
 
 
-def beside(x: torch.Tensor, side: Callable[[], B], main: Callable[[], A]) -> tuple[A, B]:
+def beside(x: torch.Tensor, side: Callable[[], B], main: Callable[[], A], lane: int = 0) -> tuple[A, B]:
     """``(main(), side())``, with ``side`` on the side stream while ``main`` runs on the current one when
     :func:`side_stream_for` allows (``side`` launched first, so it starts while ``main``'s first kernels are
     queued), else one after the other (``side`` first, the same order).  Results are the same either way: the two
-    callables must not depend on each other."""
-    stream = side_stream_for(x)
+    callables must not depend on each other.  ``main`` may itself call ``beside`` on another ``lane`` (the mHC
+    coefficients, lane 1, beside a sublayer whose own side work takes lane 0)."""
+    stream = side_stream_for(x, lane)
     if stream is None:
         s = side()
         return main(), s

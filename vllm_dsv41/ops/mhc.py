@@ -18,6 +18,14 @@ Maths (one boundary; S is the stream [T, C, H], v = S flattened to [T, C*H] in f
 ``mhc_post_pre`` ("Mega-mHC") is the post-mix of sublayer k followed by the pre of boundary k+1; it
 writes the new stream and reuses it from registers for the projection, which saves one read of S.
 
+The same boundary split in two (decode sizes, :func:`split_rows`): ``mhc_collapse`` / ``mhc_post_collapse`` give
+the new stream and x, all the sublayer needs, since x takes the previous boundary's ``pre``; ``mhc_coeffs`` gives
+this boundary's pre / post / comb, first read at its post-mix, so it runs on the side stream beside the sublayer and
+the projection and the Sinkhorn leave the critical path (SGLang's overlap of the mHC statistics with the sublayer,
+docs/design.md).  The same two kernels run with flags: the pre kernel without the projection (``PROJECT`` off) or
+without the collapse (``COLLAPSE`` off), the epilogue with only its normalising columns or only its coefficient
+column.  The references compose bitwise to the fused ones.
+
 Why these are ops: in eager PyTorch a boundary is ~100 small kernels (the 20-round Sinkhorn alone is
 ~80 launches on a [T, 4, 4] tensor) and several full passes over S, while the whole boundary is memory
 bound on S.  As custom ops, torch.compile sees one opaque node each (the fake impls give the shapes) and
@@ -441,6 +449,25 @@ def gemm_from() -> int:
     except ValueError:
         raise ValueError(f"{GEMM_FROM_ENV}={v!r}: expected a row count (0 = never)") from None
     return n if n > 0 else 1 << 62
+
+
+SPLIT_ROWS_ENV = "VLLM_DSV41_MHC_SPLIT_ROWS"
+SPLIT_ROWS_DEFAULT = 64
+
+
+def split_rows() -> int:
+    """Rows up to which the model takes the deferred-coefficient boundary (``VLLM_DSV41_MHC_SPLIT_ROWS``, default
+    64; 0 = never): ``mhc_collapse`` / ``mhc_post_collapse`` before the sublayer, ``mhc_coeffs`` beside it on the
+    side stream (``model_executor/overlap.py``).  The sublayer needs only x, which the previous boundary's pre-mix
+    coefficients give; this boundary's own coefficients are first read at its post-mix."""
+    v = os.environ.get(SPLIT_ROWS_ENV, "")
+    try:
+        n = int(v) if v else SPLIT_ROWS_DEFAULT
+    except ValueError:
+        raise ValueError(f"{SPLIT_ROWS_ENV}={v!r}: expected a row count (0 = never)") from None
+    if n < 0:
+        raise ValueError(f"{SPLIT_ROWS_ENV}={v!r}: expected a row count >= 0 (0 = never)")
+    return n
 
 
 def _stream_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
