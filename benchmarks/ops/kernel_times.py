@@ -522,6 +522,35 @@ def section_mhc(tokens: list[int], iters: int) -> None:
             _mhc_variants(op, T, variants, iters)
 
 
+def section_mhc_split(tokens: list[int], iters: int) -> None:
+    """The split boundary (``VLLM_DSV41_MHC_SPLIT_ROWS``) against the fused ops at decode sizes, bf16 streams (the
+    fast path's): what stays on the critical path (``mhc_collapse``, ``mhc_post_collapse``) and what goes beside the
+    sublayer (``mhc_coeffs``), each kernel's µs a call."""
+    import bench_mhc as bm
+
+    from vllm_dsv41.ops import mhc
+
+    print("\nmhc split boundary, bf16 streams (C=4, H=5120): critical path (collapse) vs side stream (coeffs)")
+    for T in tokens:
+        t = bm.make_inputs(T, torch.bfloat16)
+        pre, post = bm.op_args("pre", t), bm.op_args("post", t)
+        cases = {
+            "fused mhc_pre": lambda: mhc._mhc_pre_triton(*pre),
+            "fused mhc_post_pre": lambda: mhc._mhc_post_pre_triton(*bm.op_args("post_pre", t)),
+            "split mhc_collapse": lambda: mhc._mhc_collapse_triton(t["stream"], t["pre_prev"], t["norm_w"], bm.EPS),
+            "split mhc_post_collapse": lambda: mhc._mhc_post_collapse_triton(*post, t["pre_prev"], t["norm_w"],
+                                                                           bm.EPS),
+            "split mhc_coeffs (side stream)": lambda: mhc._mhc_coeffs_triton(t["stream"], *pre[1:4], bm.EPS,
+                                                                             bm.HC_EPS, bm.ITERS),
+        }
+        for name, fn in cases.items():
+            try:
+                total, per = kernel_us(fn, iters)
+                report(f"{name} T={T}", 0, total, per)
+            except Exception as exc:
+                print(f"{name} T={T}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
 def section_mhc_sweep(tokens: list[int], iters: int) -> None:
     """``mhc_pre`` / ``mhc_post_pre`` at prefill sizes: the projection in the kernel (``project`` on, the launch
     config below ``mhc.gemm_from()`` rows) against the streaming kernel + one cuBLAS fp32 GEMM (``project`` off)
@@ -600,6 +629,8 @@ def main() -> int:
             section_ogs_flags(a.tokens + a.prefill, a.iters)
         elif name == "mhc":
             section_mhc(a.tokens + a.prefill, a.iters)
+        elif name == "mhc_split":
+            section_mhc_split(a.tokens, a.iters)
         elif name == "mhc_sweep":
             section_mhc_sweep(a.prefill, a.iters)
         elif name == "router":

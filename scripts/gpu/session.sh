@@ -15,7 +15,7 @@
 #                                          # then fp8_moe's tiles vs ogs
 #   scripts/gpu/session.sh decode_attn     # the decode-rows route (FlashMLA on each row's gathered keys) and the grouped
 #                                          # wo_a through the fused-MoE FP8 kernel: CUDA tests, kernel times
-#   scripts/gpu/session.sh split [ARGS]    # the split mHC boundary: CUDA tests, a timeline with it off / on, twice each
+#   scripts/gpu/session.sh split [ARGS]    # the split mHC boundary: CUDA tests, kernel times, a timeline off / on, twice each
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
@@ -126,6 +126,9 @@ case "${1:-}" in
     shift
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_mhc.py > "$OUT/split-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/split-tests.log" | tail -8
+    (cd benchmarks/ops && timeout 100 python3 kernel_times.py --only mhc_split --tokens 1 16 64 --iters 20) \
+      > "$OUT/mhc-split-times.log" 2>&1
+    grep -E "^(fused|split)" "$OUT/mhc-split-times.log" | cut -c1-200
     for rows in 0 64 0 64; do
       VLLM_DSV41_MHC_SPLIT_ROWS=$rows timeout 110 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
         > "$OUT/timeline-split$rows.log" 2>&1
