@@ -167,6 +167,7 @@ def section_w8a8(tokens: list[int], iters: int, grouped_only: bool = False) -> N
 
     from vllm_dsv41 import formats
     from vllm_dsv41.model_executor import linear
+    from vllm_dsv41.ops import fp8_gemm  # noqa: F401  (registers dsv41::fp8_rows_gemm)
 
     print("\nW8A8 dense GEMMs: bf16 cuBLAS vs vLLM CUTLASS FP8 (per-token x per-row; 1x128 x 128x128 blocks) vs "
           "torch._scaled_mm per-token x per-row; MB = the weight bytes of the path")
@@ -197,6 +198,8 @@ def section_w8a8(tokens: list[int], iters: int, grouped_only: bool = False) -> N
                     q, sa = per_token_group_quant_fp8(x, 128, column_major_scales=True, use_ue8m0=True)
                     return ops.cutlass_scaled_mm(q, s[3].t(), sa, s[4].t(), bf)
                 paths.append(("cutlass block128", block, N * K))
+                if M <= 64:  # VLLM_DSV41_SMALL_GEMM=triton: bf16 x against the same row-scaled E4M3, split K
+                    paths.append(("fp8_rows_gemm", lambda s: torch.ops.dsv41.fp8_rows_gemm(x, s[1], s[2]), N * K))
             else:
                 xg = x.view(M, G, K)
                 paths.append(("bf16 einsum", lambda s: torch.einsum("tgk,gok->tgo", xg, s[0].view(G, N // G, K))
@@ -221,6 +224,9 @@ def section_w8a8(tokens: list[int], iters: int, grouped_only: bool = False) -> N
                 # VLLM_DSV41_GROUPED_GEMM=fused_moe: the groups as the experts of vLLM's fused-MoE FP8 kernel
                 paths.append(("fused_moe grouped", lambda s: linear.grouped_w8a8(xg, s[1], s[2]).reshape(M, N),
                               N * K))
+                if M <= 64:
+                    paths.append(("fp8_rows_gemm grouped", lambda s: torch.ops.dsv41.fp8_rows_gemm(x, s[1], s[2], G),
+                                  N * K))
             for name, call, nbytes in paths:
                 try:
                     err = bg.rel_err(call(sets[0]).reshape(M, N), ref)

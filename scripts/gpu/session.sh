@@ -16,6 +16,7 @@
 #   scripts/gpu/session.sh decode_attn     # the decode-rows route (FlashMLA on each row's gathered keys) and the grouped
 #                                          # wo_a through the fused-MoE FP8 kernel: CUDA tests, kernel times
 #   scripts/gpu/session.sh split [ARGS]    # the split mHC boundary: CUDA tests, kernel times, a timeline off / on, twice each
+#   scripts/gpu/session.sh rows [ARGS]     # dsv41::fp8_rows_gemm: CUDA tests, kernel times, a timeline cutlass / triton
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
@@ -133,6 +134,21 @@ case "${1:-}" in
       VLLM_DSV41_MHC_SPLIT_ROWS=$rows timeout 110 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
         > "$OUT/timeline-split$rows.log" 2>&1
       echo "split rows $rows: $(grep -E '^(timed run|decode  )' "$OUT/timeline-split$rows.log" | tr -s ' ' | tr '\n' ' ')"
+    done ;;
+  rows)
+    # dsv41::fp8_rows_gemm (VLLM_DSV41_SMALL_GEMM=triton, session 18): its CUDA tests, then its kernel times against
+    # the W8A8 CUTLASS path and bf16 at the dense shapes, 1 / 16 / 64 rows, then one workload's timeline (the rest
+    # of the arguments; default batch 64) with cutlass and triton, twice each, alternating
+    shift
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_fp8_gemm.py -k rows > "$OUT/rows-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/rows-tests.log" | tail -8
+    (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only w8a8 --tokens 1 16 64 --iters 20) \
+      > "$OUT/rows-times.log" 2>&1
+    grep -E "M=(1|16|64) (bf16|cutlass rowwise|fp8_rows|bf16 einsum)" "$OUT/rows-times.log" | cut -c1-150
+    for g in cutlass triton cutlass triton; do
+      VLLM_DSV41_SMALL_GEMM=$g timeout 130 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
+        > "$OUT/timeline-$g.log" 2>&1
+      echo "small gemm $g: $(grep -E '^(timed run|decode  )' "$OUT/timeline-$g.log" | tr -s ' ' | tr '\n' ' ')"
     done ;;
   async)
     # async scheduling with Engram (the tiny checkpoint): tokens and logits equal to the synchronous run's

@@ -138,3 +138,112 @@ def test_cuda_grouped_wo_a(M):
     want = fg.fp8_gemm_ref(xg.cpu(), w.cpu(), s.cpu(), 8).float().cuda()
     err = ((got - want).norm() / want.norm()).item()
     assert err < 4e-3, f"M={M}: rel err {err:.2e}"
+
+
+# --------------------------------------------------------------------------- fp8_rows_gemm (the w8a8 weights)
+
+
+def make_rows(M: int, N: int, K: int, seed: int, device: str = "cpu"):
+    """bf16 x and a weight as ``w8a8`` keeps it: the 32x32-tile FP8 of :func:`make` re-scaled to one power of two per
+    row (``formats.fp8_block_to_rows``)."""
+    x, w, s = make(M, N, K, seed)
+    w8, ws = formats.fp8_block_to_rows(w.view(torch.float8_e4m3fn), s.view(torch.float8_e8m0fnu))
+    return x.to(device), w8.to(device), ws.to(device)
+
+
+def test_rows_ref_is_the_row_scaled_product():
+    x, w8, ws = make_rows(3, 64, 256, 0)
+    want = (x.float() @ (w8.float() * ws.reshape(-1, 1)).t()).bfloat16()
+    assert torch.equal(fg.fp8_rows_gemm_ref(x, w8, ws), want)
+    assert torch.equal(torch.ops.dsv41.fp8_rows_gemm(x, w8, ws), want)  # CPU dispatch: the reference
+    x2 = torch.cat((x, -x), 1)
+    want2 = torch.cat((x.float() @ (w8[:32].float() * ws[:32]).t(), -x.float() @ (w8[32:].float() * ws[32:]).t()), 1)
+    assert torch.equal(fg.fp8_rows_gemm_ref(x2, w8, ws, 2), want2.bfloat16())
+
+
+def test_rows_bad_shapes_name_the_problem():
+    x, w8, ws = make_rows(2, 64, 128, 1)
+    with pytest.raises(ValueError, match="w_scale must hold one scale per weight row"):
+        fg.fp8_rows_gemm_ref(x, w8, ws[:10])
+    with pytest.raises(ValueError, match="x \\[M, 3 x K\\]"):
+        fg.fp8_rows_gemm_ref(x, w8, ws, 3)
+
+
+def test_rows_plan_covers_the_gpu_and_whole_k_steps():
+    for M, N, K, G in ((1, 1792, 5120, 1), (64, 32768, 1280, 1), (64, 5120, 8192, 1), (16, 5120, 2304, 1),
+                       (64, 8192, 4096, 8), (1, 4608, 5120, 1)):
+        p = fg.rows_plan(M, N, K, 132, G)
+        assert p["k_per_split"] % p["BLOCK_K"] == 0 and K % p["BLOCK_K"] == 0
+        assert (p["SPLIT_K"] - 1) * p["k_per_split"] < K <= p["SPLIT_K"] * p["k_per_split"], (M, N, K, p)
+        assert G * -(-(N // G) // p["BLOCK_N"]) * p["SPLIT_K"] >= 132, (M, N, K, p)  # every SM has a program
+        assert p["BLOCK_M"] >= max(16, M)
+
+
+@pytest.mark.parametrize("M,N,K,G", [(1, 1792, 5120, 1), (64, 1792, 5120, 1), (64, 32768, 1280, 1),
+                                     (64, 8192, 4096, 8)])
+def test_rows_kernel_builds_for_sm90_without_spills(M, N, K, G):
+    """:func:`rows_plan`'s parameters compile for Hopper (Triton's own ptxas, no GPU) with the hardware E4M3
+    conversion, every value in registers and the weight stream pipelined through shared memory."""
+    from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
+
+    p = fg.rows_plan(M, N, K, 132, G)
+    out = "*bf16" if p["SPLIT_K"] == 1 else "*fp32"
+    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "part_ptr": out,
+           **{n: "i32" for n in ("M", "N", "K", "k_per_split", "NG", "stride_xm", "stride_wn", "stride_pm")},
+           **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "SPLIT_K", "HW_FP8", "DOT_F32")}}
+    consts = {k: p[k] for k in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "SPLIT_K")} | {"HW_FP8": True, "DOT_F32": False}
+    got = sm90_build(fg._fp8_rows_kernel, sig, consts, p["num_warps"], p["num_stages"],
+                     divisible_by_16=("N", "K", "k_per_split", "NG", "stride_xm", "stride_wn", "stride_pm"))
+    print(f"fp8_rows_gemm M={M} N={N} K={K} G={G} {p}: {got}")
+    assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
+    assert got["shared"] >= (p["num_stages"] - 1) * p["BLOCK_N"] * p["BLOCK_K"], "the weight loads are not pipelined"
+
+
+# (M, N, K, groups, config override)
+ROWS_INTERPRET_CASES = [
+    (1, 64, 256, 1, None),
+    (5, 96, 512, 1, {"SPLIT_K": 2, "k_per_split": 256}),
+    (16, 128, 128, 1, {"BLOCK_N": 64, "num_warps": 4}),
+    (64, 64, 96, 1, None),  # K not a multiple of 128: 32-wide steps
+    (3, 128, 256, 2, None),
+    (9, 256, 384, 8, {"SPLIT_K": 3, "k_per_split": 128}),
+]
+
+_ROWS_RUNNER = """
+import sys, torch
+from tests.ops import test_fp8_gemm as t
+from vllm_dsv41.ops import fp8_gemm as fg
+bad = []
+for i, (M, N, K, G, cfg) in enumerate(t.ROWS_INTERPRET_CASES):
+    x, w8, ws = t.make_rows(M, N, K, seed=i)
+    x = torch.cat([x] + [x.roll(j, 1) for j in range(1, G)], 1)  # [M, G*K]: a different slice per group
+    got = fg._fp8_rows_gemm_triton(x, w8, ws, G, config=cfg)
+    want = fg.fp8_rows_gemm_ref(x, w8, ws, G).float()
+    exact = torch.cat([x[:, g * K:(g + 1) * K].float() @ (w8.float() * ws.reshape(-1, 1))[g * (N // G):(g + 1) * (N // G)].t()
+                       for g in range(G)], 1)
+    err = ((got.float() - exact).abs() / (exact.abs() + 1e-3 * exact.abs().max())).max().item()
+    ok = got.dtype == torch.bfloat16 and got.shape == want.shape and err <= 1.01 * 2 ** -7
+    print(f"{'ok' if ok else 'FAIL'} M={M} N={N} K={K} groups={G} cfg={cfg}: max rel err {err:.2e}")
+    bad += [] if ok else [i]
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_rows_triton_interpreter():
+    """Every case within one bf16 ulp of the fp32 product of the row-scaled weight (exact products and power-of-two
+    scales, fp32 sums in another order, one conversion to bf16)."""
+    run_under_interpreter(["-c", _ROWS_RUNNER])
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64])
+@pytest.mark.parametrize("N,K,G", [(1792, 5120, 1), (32768, 1280, 1), (5120, 8192, 1), (4608, 5120, 1),
+                                   (5120, 2304, 1), (8192, 4096, 8)])
+def test_cuda_rows_bench_shapes(M, N, K, G):
+    x, w8, ws = make_rows(M, N, K, seed=M + N, device="cuda")
+    x = torch.randn(M, G * K, device="cuda").bfloat16() if G > 1 else x
+    got = torch.ops.dsv41.fp8_rows_gemm(x, w8, ws, G).float()
+    want = fg.fp8_rows_gemm_ref(x.cpu(), w8.cpu(), ws.cpu(), G).float().cuda()
+    err = ((got - want).norm() / want.norm()).item()
+    assert err < 4e-3, f"M={M} N={N} K={K} G={G}: rel err {err:.2e}"

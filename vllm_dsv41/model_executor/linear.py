@@ -53,6 +53,7 @@ MOE_ENV = "VLLM_DSV41_MOE"
 MOE_BF16_FROM_ENV = "VLLM_DSV41_MOE_BF16_FROM"
 MOE_FP8_FROM_ENV = "VLLM_DSV41_MOE_FP8_FROM"
 GROUPED_GEMM_ENV = "VLLM_DSV41_GROUPED_GEMM"
+SMALL_GEMM_ENV = "VLLM_DSV41_SMALL_GEMM"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -93,6 +94,18 @@ def grouped_gemm_backend() -> str:
     v = os.environ.get(GROUPED_GEMM_ENV, "bf16").strip().lower() or "bf16"
     if v not in ("bf16", "fused_moe"):
         raise ValueError(f"{GROUPED_GEMM_ENV}={v!r}: expected bf16 or fused_moe")
+    return v
+
+
+def small_gemm_backend() -> str:
+    """``VLLM_DSV41_SMALL_GEMM``: the FP8 dense GEMMs of passes of at most ``fp8_gemm.MAX_M`` rows under ``w8a8`` -
+    ``cutlass`` (default: :func:`w8a8_gemm`, the activations quantised per token) or ``triton``
+    (``dsv41::fp8_rows_gemm``: bf16 activations against the same row-scaled E4M3 weight, split K, no quantisation
+    launch; with it the grouped ``wo_a`` keeps its FP8 rows too and takes the same kernel up to that many rows,
+    :func:`grouped_w8a8` above).  Session 18, not yet timed on a GPU."""
+    v = os.environ.get(SMALL_GEMM_ENV, "cutlass").strip().lower() or "cutlass"
+    if v not in ("cutlass", "triton"):
+        raise ValueError(f"{SMALL_GEMM_ENV}={v!r}: expected cutlass or triton")
     return v
 
 
@@ -414,7 +427,7 @@ class QuantLinear(nn.Module):
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         backend = dense_gemm_backend()
-        grouped_fp8 = self.groups == 1 or grouped_gemm_backend() == "fused_moe"
+        grouped_fp8 = self.groups == 1 or grouped_gemm_backend() == "fused_moe" or small_gemm_backend() == "triton"
         if backend == "w8a8" and not (grouped_fp8 and w8a8_supported(self.weight.device)):
             backend = "bf16"  # grouped layers stay on bf16 by default (one batched GEMM), as do pre-FP8 GPUs
         if backend == "w8a8":
@@ -476,6 +489,12 @@ class QuantLinear(nn.Module):
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
         G = self.groups
         if self.w8 is not None:
+            from vllm_dsv41.ops import fp8_gemm
+
+            T = x.shape[0]
+            if 0 < T <= fp8_gemm.MAX_M and small_gemm_backend() == "triton":
+                out = fp8_gemm.fp8_rows_gemm(x.reshape(T, -1).to(FAST_GEMM_DTYPE), self.w8, self.w8_scale, G)
+                return (out if G == 1 else out.view(T, G, -1)).to(x.dtype)
             if G > 1:
                 return grouped_w8a8(x.to(FAST_GEMM_DTYPE), self.w8, self.w8_scale).to(x.dtype)
             return w8a8_gemm(x.to(FAST_GEMM_DTYPE), self.w8, self.w8_scale).to(x.dtype)
