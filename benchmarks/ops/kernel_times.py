@@ -493,15 +493,16 @@ def section_sparse_attn(tokens: list[int], prefill: list[int], iters: int) -> No
                 print(f"{name} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
 
 
-def _mhc_variants(op: str, T: int, variants: list[tuple[str, dict | None]], iters: int) -> None:
-    """One line per (name, launch config) of ``mhc_{op}`` (``pre`` or ``post_pre``) at T rows of fp32 streams."""
+def _mhc_variants(op: str, T: int, variants: list[tuple[str, dict | None]], iters: int,
+                  dtype: torch.dtype = torch.float32) -> None:
+    """One line per (name, launch config) of ``mhc_{op}`` (``pre`` or ``post_pre``) at T rows of ``dtype`` streams."""
     import bench_mhc as bm
 
     from vllm_dsv41.ops import mhc
 
     fn = mhc._mhc_pre_triton if op == "pre" else mhc._mhc_post_pre_triton
-    a = bm.op_args(op, bm.make_inputs(T, torch.float32))
-    nbytes = bm.ideal_bytes(op, T, 4)
+    a = bm.op_args(op, bm.make_inputs(T, dtype))
+    nbytes = bm.ideal_bytes(op, T, dtype.itemsize)
     for vname, cfg in variants:
         try:
             total, per = kernel_us(lambda: fn(*a, config=cfg), iters)
@@ -568,18 +569,20 @@ def section_mhc_sweep(tokens: list[int], iters: int) -> None:
     from vllm_dsv41.ops._triton import sm_count
 
     sms = sm_count(torch.device("cuda"))
-    print("\nmhc at prefill sizes with fp32 streams (C=4, H=5120); MB = every input read once, every output "
+    # bf16 streams (the fast path's since session 15); session 18's sm_90 builds: the default fused tile 16 x 128
+    # spills 4,952 bytes a thread with them, 2 x 256 and 1 x 512 none
+    print("\nmhc at prefill sizes with bf16 streams (C=4, H=5120); MB = every input read once, every output "
           "written once")
     for op in ("pre", "post_pre"):
         for T in tokens:
             variants = [("projection in the kernel", dict(project=True)),
                         ("cuBLAS projection, default", dict(project=False))]
             for bt, bh, nw, waves in ((8, 256, 4, 8), (4, 512, 4, 4), (16, 128, 4, 4), (8, 512, 8, 4), (2, 1024, 4, 4),
-                                      (8, 256, 8, 2)):
+                                      (8, 256, 8, 2), (2, 256, 4, 4), (1, 512, 4, 4)):
                 split = max(1, min(-(-waves * sms // -(-T // bt)), -(-bm.H // bh)))
                 variants.append((f"cuBLAS projection, bt{bt} bh{bh} w{nw} (split {split})",
                                  dict(project=False, block_t=bt, block_h=bh, num_warps=nw, split=split)))
-            _mhc_variants(op, T, variants, iters)
+            _mhc_variants(op, T, variants, iters, torch.bfloat16)
 
 
 def section_router(tokens: list[int], iters: int) -> None:

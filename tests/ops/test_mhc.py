@@ -386,3 +386,39 @@ def test_fn_split_follows_the_tensor_not_its_address():
     assert torch.equal(mhc._fn_split(fn), both * 2)
     other = torch.randn(24, 64)
     assert not torch.equal(mhc._fn_split(other), mhc._fn_split(fn))
+
+
+@pytest.mark.parametrize("T", [1, 64])
+@pytest.mark.parametrize("kind", ["coeffs", "collapse", "post_collapse"])
+def test_split_boundary_kernels_build_for_sm90(kind, T):
+    """The pre kernel's variants of the split boundary compile for Hopper (Triton's own ptxas, no GPU) with the
+    launch parameters the wrappers pick at decode sizes, bf16 streams: the projection without the collapse
+    (``mhc_coeffs``, its MMA tiles: at most a few spilled bytes, 24 at one row, as the fused ``mhc_pre`` there) and
+    the streaming collapse with and without the post-mix (every value in registers)."""
+    from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
+
+    pytest.importorskip("triton")
+    kernel = mhc._kernels().pre
+    fuse = kind == "post_collapse"
+    sms = 132
+    cfg = _cfg_for(T, fuse, sms, project=kind == "coeffs")
+    C, nmix = 4, 24
+    ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
+           "snew_ptr": "*bf16", "fn_ptr": "*fp32", "pre_prev_ptr": "*fp32", "h_ptr": "*bf16", "part_ptr": "*fp32"}
+    consts = {"C": C, "NMIX": nmix, "NP": 32, "BLOCK_T": cfg["block_t"], "BLOCK_H": cfg["block_h"], "FUSE_POST": fuse,
+              "BF16_SPLIT": True, "BF16_MMA": True, "PROJECT": kind == "coeffs", "COLLAPSE": kind != "coeffs"}
+    sig = {n: ptr.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+    got = sm90_build(kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
+    print(f"mhc {kind} T={T} {cfg}: {got}")
+    assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255
+    assert got["stack"] <= (64 if kind == "coeffs" else 0), got
+
+
+def _cfg_for(T: int, fuse: bool, sms: int, project: bool) -> dict:
+    """The wrappers' launch parameters for an H200-sized GPU (``sm_count`` needs a device; the formulas are the
+    configs' own)."""
+    from unittest import mock
+
+    with mock.patch.object(mhc, "sm_count", lambda device: sms):
+        dev = torch.device("cuda")
+        return mhc._pre_config(T, 5120, fuse, dev) if project else mhc._collapse_config(T, 5120, fuse, dev)
