@@ -48,8 +48,13 @@ MAX_M = 64
 def fp8_gemm_ref(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """Plain PyTorch (CPU implementation and test oracle): the dequantised weight, fp32 product, x's dtype out."""
     _check(x, w, scale, groups)
-    wd = formats.dequant_fp8_block(formats.as_uint8(w), formats.as_uint8(scale), TILE)
-    M, (N, K) = x.shape[0], w.shape
+    return _grouped_product(x, formats.dequant_fp8_block(formats.as_uint8(w), formats.as_uint8(scale), TILE), groups)
+
+
+def _grouped_product(x: torch.Tensor, wd: torch.Tensor, groups: int) -> torch.Tensor:
+    """x [M, groups*K] through the dequantised weight wd [N, K], each group's slice through its N/groups rows; fp32,
+    x's dtype out."""
+    M, (N, K) = x.shape[0], wd.shape
     if groups == 1:
         return (x.float() @ wd.t()).to(x.dtype)
     xg = x.float().view(M, groups, K)
@@ -119,6 +124,15 @@ def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.co
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def _sum_splits(part: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:
+    """``out`` = the sum of the ``split`` fp32 partials in ``part`` (fixed order); with one split the kernel wrote
+    ``out`` itself."""
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(-(-out.numel() // block),)](part, out, out.numel(), SPLIT_K=split, BLOCK=block, num_warps=4)
+    return out
+
+
 def plan(M: int, N: int, K: int, sms: int, groups: int = 1) -> dict:
     """Launch parameters: 128 weight rows per program (64 when that leaves half the SMs idle), the token side
     padded to a power of two >= 16, K split (whole 32-wide steps, >= 256 per split) until the programs cover
@@ -159,10 +173,7 @@ def _fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, grou
         x, w8, s8, part, M, N, K, p["k_per_split"], N // groups, x.stride(0), w8.stride(0), s8.stride(0), N,
         BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], SPLIT_K=split, HW_FP8=bool(hw_fp8),
         DOT_F32=interpreting(), num_warps=p["num_warps"], num_stages=p["num_stages"])
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(-(-(M * N) // block),)](part, out, M * N, SPLIT_K=split, BLOCK=block, num_warps=4)
-    return out
+    return _sum_splits(part, out, split)
 
 
 def _fp8_gemm_fake(x, w, scale, groups=1):
@@ -189,13 +200,8 @@ fp8_gemm = define_op("fp8_gemm", "(Tensor x, Tensor w, Tensor scale, int groups=
 def fp8_rows_gemm_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """Plain PyTorch (CPU implementation and test oracle): x times the row-scaled E4M3 weight, fp32, x's dtype out."""
     _check_rows(x, w8, w_scale, groups)
-    N, K = w8.shape
-    wd = formats.as_uint8(w8).view(torch.float8_e4m3fn).float() * w_scale.float().reshape(N, 1)
-    if groups == 1:
-        return (x.float() @ wd.t()).to(x.dtype)
-    M = x.shape[0]
-    xg = x.float().view(M, groups, K)
-    return torch.einsum("mgk,gok->mgo", xg, wd.view(groups, N // groups, K)).reshape(M, N).to(x.dtype)
+    wd = formats.as_uint8(w8).view(torch.float8_e4m3fn).float() * w_scale.float().reshape(-1, 1)
+    return _grouped_product(x, wd, groups)
 
 
 def _check_rows(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int) -> None:
@@ -296,10 +302,7 @@ def _fp8_rows_gemm_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tens
         BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], BLOCK_K=p["BLOCK_K"], SPLIT_K=split,
         HW_FP8=bool(hw_fp8) and not interpreting(), DOT_F32=interpreting(), num_warps=p["num_warps"],
         num_stages=p["num_stages"])
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(-(-(M * N) // block),)](part, out, M * N, SPLIT_K=split, BLOCK=block, num_warps=4)
-    return out
+    return _sum_splits(part, out, split)
 
 
 def _fp8_rows_gemm_fake(x, w8, w_scale, groups=1):

@@ -529,7 +529,8 @@ def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int
     assert fn.dtype == torch.float32 and fn.shape == (nmix, C * H) and fn.stride(1) == 1, "fn: fp32 [(2+C)*C, C*H]"
     assert base.shape == (nmix,) and base.is_contiguous() and base.dtype == torch.float32
     assert scale.shape == (3,) and scale.is_contiguous() and scale.dtype == torch.float32
-    assert pre_prev.shape == (T, C) and norm_w.shape == (H,) and norm_w.is_contiguous()
+    if pre_prev is not None:  # mhc_coeffs takes neither
+        assert pre_prev.shape == (T, C) and norm_w.shape == (H,) and norm_w.is_contiguous()
     return T, C, H, nmix
 
 
@@ -537,6 +538,25 @@ def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int
 #: them one after the other (``EPILOGUE_SPLITS = 1``, the previous kernel) is the likely reason the epilogue took
 #: 13 µs per boundary at T=1 in the H200 decode profile; the gain of 16 per round is not profiled yet.
 EPILOGUE_SPLITS = 16
+
+
+def _partials(T: int, H: int, nmix: int, cfg: dict, dev: torch.device) -> tuple[int, int, int, torch.Tensor]:
+    """(H per split in whole chunks, split count, padded NMIX, the [split, T, NP] fp32 partials) for ``cfg``."""
+    hs = _cdiv(_cdiv(H, cfg["split"]), cfg["block_h"]) * cfg["block_h"]
+    split = _cdiv(H, hs)
+    np_ = _next_pow2(nmix + 2)
+    return hs, split, np_, torch.empty(split, T, np_, dtype=torch.float32, device=dev)
+
+
+def _post_sources(stream, pre_prev, post_inputs, new_stream, T: int, C: int, H: int) -> tuple[tuple, tuple]:
+    """The pre kernel's (y, post_prev, comb_prev, new stream) pointers and their 10 strides; placeholders that are
+    never dereferenced without the post-mix."""
+    if post_inputs is None:
+        return (stream, pre_prev, pre_prev, stream), (0,) * 10
+    y, post_prev, comb_prev = post_inputs
+    assert y.shape == (T, H) and post_prev.shape == (T, C) and comb_prev.shape == (T, C, C)
+    return ((y, post_prev, comb_prev, new_stream),
+            (*y.stride(), *post_prev.stride(), *comb_prev.stride(), *new_stream.stride()))
 
 
 def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, post_inputs, config):
@@ -555,19 +575,8 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     project = (config or {}).get("project", T < gemm_from())  # the projection inside the kernel
     cfg = {**(_pre_config(T, H, fuse, dev) if project else _stream_config(T, H, fuse, dev)), **(config or {})}
     block_h = cfg["block_h"]
-    hs = _cdiv(_cdiv(H, cfg["split"]), block_h) * block_h  # H per split, in whole chunks
-    split = _cdiv(H, hs)
-    np_ = _next_pow2(nmix + 2)
-    part = torch.empty(split, T, np_, dtype=torch.float32, device=dev)
-
-    if fuse:
-        y, post_prev, comb_prev = post_inputs
-        assert y.shape == (T, H) and post_prev.shape == (T, C) and comb_prev.shape == (T, C, C)
-        src = (y, post_prev, comb_prev, new_stream)
-        src_strides = (*y.stride(), *post_prev.stride(), *comb_prev.stride(), *new_stream.stride())
-    else:
-        src = (stream, pre_prev, pre_prev, stream)  # placeholders, never dereferenced
-        src_strides = (0,) * 10
+    hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
+    src, src_strides = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, *src, fn, pre_prev, x, part,
@@ -620,18 +629,8 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config):
     nmix = (2 + C) * C
     cfg = {**_collapse_config(T, H, fuse, dev), **(config or {})}
     block_h = cfg["block_h"]
-    hs = _cdiv(_cdiv(H, cfg["split"]), block_h) * block_h
-    split = _cdiv(H, hs)
-    np_ = _next_pow2(nmix + 2)
-    part = torch.empty(split, T, np_, dtype=torch.float32, device=dev)
-    if fuse:
-        y, post_prev, comb_prev = post_inputs
-        assert y.shape == (T, H) and post_prev.shape == (T, C) and comb_prev.shape == (T, C, C)
-        src = (y, post_prev, comb_prev, new_stream)
-        src_strides = (*y.stride(), *post_prev.stride(), *comb_prev.stride(), *new_stream.stride())
-    else:
-        src = (stream, pre_prev, pre_prev, stream)  # placeholders, never dereferenced
-        src_strides = (0,) * 10
+    hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
+    src, src_strides = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, *src, stream, pre_prev, x, part,  # fn: a placeholder (PROJECT off)
@@ -657,13 +656,7 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config):
 def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
     """``mhc_coeffs``: the pre kernel without the collapse (the projection and sum(v^2); cuBLAS from ``gemm_from()``
     rows), then only the epilogue's coefficient column."""
-    assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
-    T, C, H = stream.shape
-    nmix = (2 + C) * C
-    assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
-    assert fn.dtype == torch.float32 and fn.shape == (nmix, C * H) and fn.stride(1) == 1, "fn: fp32 [(2+C)*C, C*H]"
-    assert base.shape == (nmix,) and base.is_contiguous() and base.dtype == torch.float32
-    assert scale.shape == (3,) and scale.is_contiguous() and scale.dtype == torch.float32
+    T, C, H, nmix = _check_pre_args(stream, fn, base, scale, None, None)
     dev = stream.device
     pre = torch.empty(T, C, dtype=torch.float32, device=dev)
     post = torch.empty(T, C, dtype=torch.float32, device=dev)
@@ -673,10 +666,7 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
     project = (config or {}).get("project", T < gemm_from())
     cfg = {**(_pre_config(T, H, False, dev) if project else _stream_config(T, H, False, dev)), **(config or {})}
     block_h = cfg["block_h"]
-    hs = _cdiv(_cdiv(H, cfg["split"]), block_h) * block_h
-    split = _cdiv(H, hs)
-    np_ = _next_pow2(nmix + 2)
-    part = torch.empty(split, T, np_, dtype=torch.float32, device=dev)
+    hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, stream, pre, comb, stream, fn, pre, part, part,  # y, post_prev, comb_prev, snew, pre_prev, h: unused
