@@ -17,6 +17,7 @@
 #                                          # wo_a through the fused-MoE FP8 kernel: CUDA tests, kernel times
 #   scripts/gpu/session.sh split [ARGS]    # the split mHC boundary: CUDA tests, kernel times, a timeline off / on, twice each
 #   scripts/gpu/session.sh rows [ARGS]     # dsv41::fp8_rows_gemm: CUDA tests, kernel times, a timeline cutlass / triton
+#   scripts/gpu/session.sh decide [ARGS] # both: tests, kernel times, timelines base / split / split+rows
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
@@ -149,6 +150,23 @@ case "${1:-}" in
       VLLM_DSV41_SMALL_GEMM=$g timeout 130 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
         > "$OUT/timeline-$g.log" 2>&1
       echo "small gemm $g: $(grep -E '^(timed run|decode  )' "$OUT/timeline-$g.log" | tr -s ' ' | tr '\n' ' ')"
+    done ;;
+  decide)
+    # session 19: both session-18 candidates in one call: their CUDA tests and kernel times, then one workload's
+    # timeline (the rest of the arguments; default batch 64) as base (split off, CUTLASS), split (the mHC split
+    # boundary), split+rows (and dsv41::fp8_rows_gemm), base, split+rows
+    shift
+    timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_mhc.py tests/ops/test_fp8_gemm.py \
+      -k "cuda and (mhc or rows)" > "$OUT/decide-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/decide-tests.log" | tail -8
+    (cd benchmarks/ops && timeout 70 python3 kernel_times.py --only mhc_split w8a8 --tokens 1 64 --iters 20) \
+      > "$OUT/decide-times.log" 2>&1
+    grep -E "^(fused|split)|M=(1|64) (bf16|cutlass rowwise|fp8_rows)" "$OUT/decide-times.log" | cut -c1-170
+    for cfg in base1:0:cutlass rows1:64:triton split:64:cutlass base2:0:cutlass; do
+      IFS=: read -r name rows gemm <<< "$cfg"
+      VLLM_DSV41_MHC_SPLIT_ROWS=$rows VLLM_DSV41_SMALL_GEMM=$gemm timeout 100 python3 scripts/gpu/step_timeline.py \
+        /tmp/bench "$@" > "$OUT/timeline-$name.log" 2>&1
+      echo "$name: $(grep -E '^(timed run|prefill |decode  )' "$OUT/timeline-$name.log" | tr -s ' ' | tr '\n' ' ')"
     done ;;
   async)
     # async scheduling with Engram (the tiny checkpoint): tokens and logits equal to the synchronous run's

@@ -152,7 +152,8 @@ def test_group_slots_from_the_table_and_inside_a_static_step(kind):
 def test_kept_step_meta_is_the_kept_rows_as_a_step():
     """The decoder graphs' step over the kept rows: each kept row keeps its position, request and SWA slot (the
     runner's, at that row); padded rows sit at position 0 of request 0 and write nothing; padded requests read the
-    null block; the kept step's query starts count each request's kept rows."""
+    null block; the kept step's query starts count each request's kept rows; its replay starts are the decoder
+    floors (a trimmed request's first kept row, the replay start of a request kept whole)."""
     from vllm_dsv41.model_executor.graphs import StaticStep, kept_step_meta
 
     step = _step([0, 6, 7, 12], [0, 40, 10], [[-1] * 3] * 3, list(range(12)))  # rows: 6, 1 (decode), 5
@@ -167,7 +168,9 @@ def test_kept_step_meta_is_the_kept_rows_as_a_step():
     assert k.positions.tolist() == [3, 4, 5, 40, 12, 13, 14, 0, 0, 0]
     assert k.token_req_idx.tolist() == [0, 0, 0, 1, 2, 2, 2, 0, 0, 0]
     assert k.query_start_loc.tolist() == [0, 3, 4, 7, 7]
-    assert k.seq_lens.tolist() == [6, 41, 15, 1] and k.replay_start.tolist() == [0, 0, 0, 0]
+    assert k.seq_lens.tolist() == [6, 41, 15, 1] and k.replay_start.tolist() == [3, 0, 12, 0]
+    whole = kept_step_meta(meta, torch.arange(12), torch.arange(12), rows=16, batch=4)  # nothing trimmed
+    assert whole.replay_start.tolist() == [0, 0, 0, 0] and whole.query_start_loc.tolist() == [0, 6, 7, 12, 12]
     g = k.groups["swa"]
     assert g.runner_slots.tolist() == [103, 104, 105, 106, 109, 110, 111, -1, -1, -1]
     assert g.block_table.tolist() == [[1, 2], [3, 4], [5, 6], [0, 0]]

@@ -133,6 +133,85 @@ def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts, 
     print("replayed:", ref, "exact:", exact_ref)
 
 
+@pytest.mark.parametrize("ops", ["0", "1", "static"], ids=["torch", "ops", "static-decoder"])
+def test_pruned_step_keeps_untrimmed_windows(tiny_ckpt, tiny_model, prompts, ops, monkeypatch):
+    """A pruned step (some request brings more than a window of rows) beside a request whose chunk of 2..W rows
+    follows earlier context: only the trimmed request's decoder windows start at its kept rows (§3.2 item 5); the
+    other one's rows read their whole windows, from the decoder KV its previous chunk kept.  Budget 64: the
+    200-token prompt's chunks are 64, 64, 64 and 8, the last beside the 40-token prompt (trimmed to W rows).
+    ``static-decoder``: the decoder layers of every step but the pure decode ones as the padded static step that CUDA
+    captures (``graphs.DecoderGraphs``), the untrimmed steps' too (every row kept)."""
+    from vllm_dsv41.model_executor import graphs
+    from vllm_dsv41.model_executor import model as model_mod
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "0" if ops == "0" else "1")
+    monkeypatch.setenv(graphs.PREFILL_GRAPH_ENV, "static" if ops == "static" else "0")
+    static, run = [], graphs.DecoderGraphs.run
+
+    def run_counted(self, meta, kept, *a, **k):
+        static.append((meta.query_lens.tolist(), kept.numel()))
+        return run(self, meta, kept, *a, **k)
+
+    monkeypatch.setattr(graphs.DecoderGraphs, "run", run_counted)
+    W = tiny_model.cfg.sliding_window
+    long, short = prompts[-1], prompts[2]  # 200 and 40 tokens
+    assert len(long) % 64 == 8 and len(short) > W
+    mixed, rows_of = [], model_mod.decoder_rows
+
+    def probed(step, window, enabled):
+        q = step.meta.query_lens.tolist()
+        if enabled and any(1 < n <= window for n in q) and any(n > window for n in q):
+            mixed.append(q)
+        return rows_of(step, window, enabled)
+
+    monkeypatch.setattr(model_mod, "decoder_rows", probed)
+    kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=64, logprobs_mode="raw_logits", max_logprobs=-1)
+    with engine(tiny_ckpt, exact=False, **kw) as llm:
+        outs = _generate(llm, [long, short], logits=True)
+    assert mixed, "no pruned step held an untrimmed multi-row chunk"
+    if ops == "static":  # the pruned mixed step and the untrimmed ones (the first chunks kept whole are not: > W)
+        assert any(q == m for m in mixed for q, _ in static), static
+        assert any(n == sum(q) for q, n in static), f"no untrimmed step ran as a static decoder step: {static}"
+    else:
+        assert not static
+    worst = 0.0
+    for p, chunk, o in zip((long, short), (64, None), outs):
+        ref_tokens, ref_logits = tiny_model.generate(p, MAX_TOKENS, prune=True, chunk=chunk)
+        assert list(o.outputs[0].token_ids) == ref_tokens, f"prompt of {len(p)} tokens"
+        for k, (tok, lp) in enumerate(zip(ref_tokens, o.outputs[0].logprobs)):
+            worst = max(worst, abs(lp[tok].logprob - ref_logits[k][tok].item()))
+    print(f"pruned steps with an untrimmed chunk: {mixed}; largest |logit difference| {worst:.3e}")
+    assert worst < 5e-2
+
+
+def test_prompt_logprobs_keep_every_row(tiny_ckpt, tiny_model, prompts, monkeypatch):
+    """A request that asks for prompt logprobs reads every prompt row's logits, so the decoder layers keep all its rows
+    (§3.2 item 3) while the others in the step are trimmed: its prompt logprobs equal the reference's unpruned rows,
+    and the tokens of both requests the pruned reference's."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    W = tiny_model.cfg.sliding_window
+    asks, other = prompts[4], prompts[-1]  # 90 and 200 tokens, both past the window
+    assert len(asks) > W
+    with engine(tiny_ckpt, exact=False, max_num_batched_tokens=4096) as llm:
+        got, plain = llm.generate([TokensPrompt(prompt_token_ids=p) for p in (asks, other)],
+                                  [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0),
+                                   SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)], use_tqdm=False)
+    from vllm_dsv41.reference.model import Session
+
+    logits = tiny_model.forward(Session(), asks, prune=True, all_logits=True)  # every row kept
+    ref = torch.log_softmax(logits.double(), -1)
+    lps = got.prompt_logprobs
+    assert lps is not None and len(lps) == len(asks) and lps[0] is None
+    worst = max(abs(lps[i][asks[i]].logprob - ref[i - 1, asks[i]].item()) for i in range(1, len(asks)))
+    print(f"prompt logprobs of {len(asks)} rows: largest difference to the reference {worst:.3e}")
+    assert worst < 5e-2, f"prompt logprobs differ by {worst:.3e} (trimmed rows read as zeros?)"
+    assert list(got.outputs[0].token_ids) == tiny_model.generate(asks, MAX_TOKENS)[0]  # its prompt ran whole
+    assert list(plain.outputs[0].token_ids) == tiny_model.generate(other, MAX_TOKENS, prune=True)[0]
+
+
 def test_gathered_attention_path(tiny_ckpt, tiny_model, prompts, monkeypatch):
     """The gathered-keys attention path (``ops.sparse_attn_gathered``, the FlashMLA prefill route) wired into the
     model, with the CPU stand-in of FlashMLA's kernel and the path forced for every step: exact mode equals the

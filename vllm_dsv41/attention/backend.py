@@ -92,6 +92,8 @@ class DSV41StepMetadata:
     # Each request's row in the model's device token history (``step.TokenHistory``), which supplies the lookback
     # ids the host does not know (generated tokens under async scheduling); -1: none.
     history_rows: torch.Tensor | None = None  # [num_reqs] int32; None -> all -1
+    # Requests whose every row's logits are read (prompt logprobs): the decoder layers never trim them (§3.2).
+    keeps_rows: torch.Tensor | None = None  # [num_reqs] bool; None -> all False
     # Layer name -> metadata of the KV-cache group that layer belongs to.
     groups: dict[str, DSV41GroupMetadata] = field(default_factory=dict, repr=False)
     _on: dict = field(default_factory=dict, repr=False)  # (name, device) -> copy, see ``on``
@@ -99,6 +101,13 @@ class DSV41StepMetadata:
     def __post_init__(self):
         if self.history_rows is None:
             self.history_rows = torch.full((self.num_reqs,), -1, dtype=torch.int32)
+        if self.keeps_rows is None:
+            self.keeps_rows = torch.zeros(self.num_reqs, dtype=torch.bool)
+
+    def trimmed(self, window: int) -> torch.Tensor:
+        """[num_reqs] bool (host): the requests whose rows the decoder layers trim to their last ``window`` (CED
+        pruning, §3.2): more rows than that, and no reader of every row's logits."""
+        return ((self.query_start_loc[1:] - self.query_start_loc[:-1]) > window) & ~self.keeps_rows
 
     def on(self, name: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor field ``name`` (or ``replayed``, the replayed-token mask) on ``device`` (as ``dtype``),
@@ -259,6 +268,7 @@ class RunnerStepInfo:
     lookback_token_ids: np.ndarray  # [n, LOOKBACK_DEPTH] int32
     is_prefill: np.ndarray  # [n] bool
     history_rows: np.ndarray | None = None  # [n] int32, see DSV41StepMetadata.history_rows
+    keeps_rows: np.ndarray | None = None  # [n] bool, see DSV41StepMetadata.keeps_rows
     step: DSV41StepMetadata | None = None  # built by the first group
 
 
@@ -338,6 +348,7 @@ def _build_step(
     lookback = torch.full((num_reqs, LOOKBACK_DEPTH), -1, dtype=torch.int32)
     is_prefill = torch.zeros(num_reqs, dtype=torch.bool)
     history_rows = torch.full((num_reqs,), -1, dtype=torch.int32)
+    keeps_rows = torch.zeros(num_reqs, dtype=torch.bool)
     req_ids: list[str | None] = [None] * num_reqs
     replay_window = 0
     if info is not None:
@@ -348,6 +359,8 @@ def _build_step(
         is_prefill[:n] = torch.from_numpy(info.is_prefill[:n])
         if info.history_rows is not None:
             history_rows[:n] = torch.from_numpy(info.history_rows[:n])
+        if info.keeps_rows is not None:
+            keeps_rows[:n] = torch.from_numpy(info.keeps_rows[:n])
         replay_window = info.replay_window
     elif cm.is_prefilling is not None:
         is_prefill[:] = cm.is_prefilling[:num_reqs].cpu()
@@ -366,6 +379,7 @@ def _build_step(
         lookback_token_ids=lookback,
         is_prefill=is_prefill,
         history_rows=history_rows,
+        keeps_rows=keeps_rows,
     )
 
 

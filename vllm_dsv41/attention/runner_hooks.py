@@ -23,7 +23,10 @@ forwards to attention metadata:
   generated ids are -1 placeholders under async scheduling, which the CPU
   platform turns off), and each request's row in the model's device token
   history (``backend.TokenHistoryRows``, released when the scheduler reports
-  the request finished), from which the model takes the ids the host lacks.
+  the request finished), from which the model takes the ids the host lacks;
+* which requests read every prompt row's logits (the runner's
+  ``num_prompt_logprobs``: prompt logprobs asked for, still in prefill): the
+  decoder layers keep all their rows instead of the last window (§3.2).
 
 A wrapper around ``_build_attention_metadata`` publishes them to the builder
 (``backend.set_pending_step_info``) for the duration of one build.
@@ -180,6 +183,8 @@ def _collect_step_info(runner) -> RunnerStepInfo:
         logger.warning("vllm-dsv41: %d token-history rows were reassigned (more than %d requests alive); a request "
                        "that comes back without being resumed may see wrong Engram lookback ids",
                        history.evicted, history.capacity)
+    asks = getattr(runner, "num_prompt_logprobs", None) or {}  # the runner's prompt-logprobs requests in prefill
+    keeps_rows = np.array([r in asks for r in req_ids], dtype=np.bool_)
     return RunnerStepInfo(
         req_ids=req_ids,
         replay_start=replay_start,
@@ -187,4 +192,5 @@ def _collect_step_info(runner) -> RunnerStepInfo:
         lookback_token_ids=lookback,
         is_prefill=is_prefill,
         history_rows=hist_rows,
+        keeps_rows=keeps_rows,
     )

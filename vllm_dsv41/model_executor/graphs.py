@@ -169,7 +169,9 @@ def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.
     runner's device) of the step ``meta`` as a step of their own, grown to ``rows`` rows and ``batch`` requests.
     The kept rows keep their positions, requests and SWA slots (the runner's slot mapping at those rows); padded
     rows sit at position 0 of request 0 and write nothing (slot -1); padded requests read through an all-zero
-    block-table row, as in :func:`pad_decode_meta`.
+    block-table row, as in :func:`pad_decode_meta`.  Its ``replay_start`` is each request's decoder SWA floor
+    (``model.decoder_floors``): a request some of whose rows were dropped reads from its first kept row on, the
+    others from their replay start (the decoder layers write no compressed entry, so nothing else reads it).
     Every row's result depends on its own inputs only, so the kept rows' results are those of the eager
     decoder layers on the same rows."""
     n, B, R = meta.num_reqs, batch, rows
@@ -178,11 +180,14 @@ def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.
     qsl = torch.zeros(B + 1, dtype=meta.query_start_loc.dtype)
     qsl[1:n + 1] = torch.cumsum(counts, 0)
     qsl[n + 1:] = qsl[n]
+    rs = meta.replay_start
+    first_kept = (meta.seq_lens - counts).to(rs.dtype)
+    floor = torch.where(counts < meta.query_lens, torch.maximum(rs, first_kept), rs)
     out = DSV41StepMetadata(
         num_reqs=B, num_tokens=R, req_ids=list(meta.req_ids) + [None] * (B - n), query_start_loc=qsl,
         seq_lens=_pad(meta.seq_lens, B, 1), context_lens=_pad(meta.context_lens, B, 0),
         positions=_pad(meta.positions[kept], R, 0), token_req_idx=_pad(req, R, 0),
-        replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
+        replay_start=_pad(floor, B, 0), replay_window=meta.replay_window,
         lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False),
         history_rows=_pad(meta.history_rows, B, -1))
     _add_groups(out, meta, lambda slots: _pad(slots[kept_dev], R, -1))

@@ -732,11 +732,23 @@ class DecoderLayer(nn.Module):
 
 
 def kept_rows_host(step: Step, window: int) -> torch.Tensor:
-    """CED pruning (§3.2): the step rows the decoder layers run on, each request's last ``window`` rows, as host
-    int64 indices (ascending), from the CPU metadata."""
+    """CED pruning (§3.2): the step rows the decoder layers run on, each request's last ``window`` rows (all of them
+    for a request whose every row's logits are read), as host int64 indices (ascending), from the CPU metadata."""
     qsl = step.query_start_loc_cpu.tolist()
-    keep = [torch.arange(max(qsl[i], qsl[i + 1] - window), qsl[i + 1]) for i in range(step.num_reqs)]
+    whole = step.meta.keeps_rows.tolist()
+    keep = [torch.arange(qsl[i] if whole[i] else max(qsl[i], qsl[i + 1] - window), qsl[i + 1])
+            for i in range(step.num_reqs)]
     return torch.cat(keep) if keep else torch.arange(0)
+
+
+def decoder_floors(step: Step, window: int) -> torch.Tensor:
+    """[num_reqs] the SWA floor of the decoder layers in a pruned step (§3.2 item 5): a trimmed request's (more
+    than ``window`` rows) windows start at its first kept row, as no decoder KV exists below it; every other
+    request's rows read their whole windows (its earlier chunks kept their last rows), down to its replay start."""
+    m = step.meta
+    rs = m.replay_start
+    floors = torch.where(m.trimmed(window), torch.maximum(rs, m.seq_lens.to(rs.dtype) - window), rs)
+    return host_to_device(floors, step.device)
 
 
 def decoder_rows(step: Step, window: int, enabled: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -826,7 +838,16 @@ class DeepseekV41Model(nn.Module):
         kept_host, kept = decoder_rows(step, cfg.sliding_window,
                                        self.prune and step.needs_pruning(cfg.sliding_window))
         base_floor = step.replay_start
-        graphs = self.decoder_graphs if kept_host is not None and not in_static_step() else None
+        graphs = self.decoder_graphs if self.prune and not in_static_step() else None
+        if graphs is not None and bool((step.meta.keeps_rows & (step.meta.query_lens > cfg.sliding_window)).any()):
+            graphs = None  # a request keeps more than a window of rows: past the static step's gather bounds
+        if graphs is not None and kept_host is None:
+            # nothing to trim (a mixed step of short chunks beside decode rows): the decoder layers still run as the
+            # captured static step, over every row, when a bucket takes them; else the eager loop as it was
+            if graphs.accepts(step.meta, T):
+                kept_host, kept = torch.arange(T), tok
+            else:
+                graphs = None
         for L, layer in enumerate(self.layers):
             plan = layer.plan
             if graphs is not None and L == cfg.boundary_layer + 1:
@@ -843,8 +864,7 @@ class DeepseekV41Model(nn.Module):
             if kept_host is not None and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
             elif kept_host is not None and plan.is_decoder:  # one tensor for every decoder layer (caches key on it)
-                floors = step.once("decoder_floors",
-                                   lambda: torch.maximum(base_floor, step.seq_lens - cfg.sliding_window))
+                floors = step.once("decoder_floors", lambda: decoder_floors(step, cfg.sliding_window))
             S, pre = layer(self, step, S, pre, tok, rows, floors)
             tok = step.take(tok, rows)
         return S, pre, tok
@@ -871,7 +891,7 @@ def _run_decoder(model: DeepseekV41Model, step: Step, S: torch.Tensor, pre: torc
     cfg = model.cfg
     step.scratch.update(carry)
     rows = step.all_rows(S.shape[0])
-    floors = step.once("decoder_floors", lambda: torch.maximum(step.replay_start, step.seq_lens - cfg.sliding_window))
+    floors = step.replay_start  # kept_step_meta's: each request's decoder floor
     for layer in model.layers[cfg.boundary_layer + 1:]:
         S, pre = layer(model, step, S, pre, rows, rows, floors)
     return S, pre

@@ -200,8 +200,9 @@ class Step:
         return swa, entry_block_bound(last, ratio, comp_rows_per_block) if ratio else 0
 
     def needs_pruning(self, window: int) -> bool:
-        """Decoder pruning pays off only when some request brings more than ``window`` rows."""
-        return bool((self.meta.query_lens > window).any())
+        """Decoder pruning pays off only when some request brings more than ``window`` rows (and none of its rows'
+        logits is read: prompt logprobs)."""
+        return bool(self.meta.trimmed(window).any())
 
     def views_of_kind(self, kind: str) -> list[GroupView]:
         """Every KV-cache group of ``kind`` (``swa``, ``compressed``, ``ring``), each once, in the metadata's order."""
