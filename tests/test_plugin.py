@@ -68,11 +68,17 @@ def test_engine_settings_applied_by_the_config_hook(tiny_ckpt, monkeypatch):
     vllm_dsv41.register()
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "")  # recorded, so the hook's value is undone afterwards
     monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")
+    from vllm_dsv41.engine_config import user_asked_eager
+
     cfg = EngineArgs(model=tiny_ckpt, enforce_eager=False, async_scheduling=True, dtype="float32",
                      max_model_len=1024).create_engine_config()
     assert cfg.model_config.enforce_eager is True
     assert cfg.scheduler_config.async_scheduling is False
     assert os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "0"
+    # eager either way; the user's own enforce_eager is remembered (the model's graphs then stay off unless named)
+    assert not user_asked_eager(cfg)
+    asked = EngineArgs(model=tiny_ckpt, enforce_eager=True, dtype="float32", max_model_len=1024).create_engine_config()
+    assert asked.model_config.enforce_eager is True and user_asked_eager(asked)
 
 
 def test_async_scheduling_left_to_vllm_with_and_without_engram(monkeypatch):

@@ -7,7 +7,9 @@ Owns :func:`register_engine_config`: our entry for ``DeepseekV41ForCausalLM`` in
 
 * eager execution (``enforce_eager``): the model captures its own decode CUDA graphs
   (``model_executor/graphs.py``); vLLM's torch.compile / graph capture would trace through step
-  metadata it does not own;
+  metadata it does not own.  When the user asked for ``enforce_eager`` themselves, that is recorded
+  (:func:`user_asked_eager`) and the model's own graphs stay off too unless named
+  (``VLLM_DSV41_GRAPHS=1`` / ``VLLM_DSV41_PREFILL_GRAPHS=1``);
 * vLLM's choice of async scheduling stands (on by default on CUDA: the next step is prepared while the
   current one runs; the metadata builder reads nothing back from the device), Engram checkpoints
   included: the lookback ids the runner's host token table lacks under async scheduling (the generated
@@ -27,12 +29,23 @@ logger = logging.getLogger(__name__)
 
 ARCHITECTURE = "DeepseekV41ForCausalLM"
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+USER_EAGER_KEY = "vllm_dsv41_user_enforce_eager"  # in ``VllmConfig.additional_config``
+
+
+def user_asked_eager(vllm_config) -> bool:
+    """Whether the user set ``enforce_eager`` (the hook below sets it for every V4.1 engine, so the model cannot tell
+    from the model config)."""
+    extra = getattr(vllm_config, "additional_config", None)
+    return bool(extra.get(USER_EAGER_KEY, False)) if isinstance(extra, dict) else False
 
 
 def apply_engine_settings(vllm_config) -> list[str]:
     """Adjust ``vllm_config`` in place; returns what was changed (for logs and tests)."""
     changed = []
     mc, sc = vllm_config.model_config, vllm_config.scheduler_config
+    extra = getattr(vllm_config, "additional_config", None)
+    if mc is not None and isinstance(extra, dict) and USER_EAGER_KEY not in extra:  # the hook runs once; be sure
+        extra[USER_EAGER_KEY] = bool(mc.enforce_eager)
     if mc is not None and not mc.enforce_eager:
         mc.enforce_eager = True
         changed.append("enforce_eager=True (the model captures its own decode CUDA graphs)")

@@ -8,7 +8,7 @@ os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 t0 = time.time()
-llm = LLM(model=sys.argv[1], load_format="dummy", enforce_eager=True, async_scheduling=False, max_model_len=8192,
+llm = LLM(model=sys.argv[1], load_format="dummy", async_scheduling=False, max_model_len=8192,
           max_num_seqs=64, kv_cache_memory_bytes=8 << 30, seed=0)
 print(f"engine {time.time()-t0:.1f}s", flush=True)
 for n, m, b in [(16, 4, 1), (16, 4, 1), (1024, 32, 1), (1024, 32, 1), (1024, 32, 16)]:

@@ -242,14 +242,17 @@ def test_kept_row_buckets():
 
 def test_graph_modes_default_to_capture_on_cuda_with_the_ops(monkeypatch):
     """Both graph switches default to capture on CUDA with the ops path (the prefill decoder graphs since session 18),
-    ``0`` turns either off, ``static`` runs the padded steps uncaptured, the CPU never captures, and a misspelt value
-    names the variable."""
+    but not when the user asked for eager execution (then only ``1`` captures), ``0`` turns either off, ``static``
+    runs the padded steps uncaptured, the CPU never captures, and a misspelt value names the variable."""
     from vllm_dsv41.model_executor import graphs
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     for env, mode in ((graphs.GRAPH_ENV, graphs.graph_mode), (graphs.PREFILL_GRAPH_ENV, graphs.prefill_graph_mode)):
         monkeypatch.delenv(env, raising=False)
         assert (mode(cuda, True), mode(cuda, False), mode(cpu, True)) == ("capture", "off", "off"), env
+        assert mode(cuda, True, eager=True) == "off"
+        monkeypatch.setenv(env, "1")
+        assert (mode(cuda, True, eager=True), mode(cuda, True)) == ("capture", "capture")
         monkeypatch.setenv(env, "0")
         assert mode(cuda, True) == "off"
         monkeypatch.setenv(env, "static")

@@ -49,6 +49,7 @@ def _run(ckpt, prompts, weights: str, monkeypatch):
     from tests.e2e.test_engine_vs_reference import _vocab_logits
 
     monkeypatch.setenv("VLLM_DSV41_WEIGHTS", weights)
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "1")  # the test engine asks for enforce_eager, which leaves `auto` off
     sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1)
     with engine(ckpt, exact=True, dtype="bfloat16", logprobs_mode="raw_logits", max_logprobs=-1,
                 kv_cache_memory_bytes=1 << 30) as llm:

@@ -47,6 +47,7 @@ def _serve(tiny_ckpt, prompts, ops: str, monkeypatch, async_scheduling: bool = F
 
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     monkeypatch.setenv("VLLM_DSV41_OPS", ops)
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "1")  # the test engine asks for enforce_eager, which leaves `auto` off
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=-1)
     # A 1 GiB KV pool, as on CPU (the tiny model needs no more).  Decode steps run as captured CUDA graphs
     # (graphs.py) with the ops path, so the comparison covers capture and replay too.

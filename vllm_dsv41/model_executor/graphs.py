@@ -77,11 +77,12 @@ def _static_step():
 
 
 def _env_mode(env: str, default: str, on: tuple[str, ...], expected: str, device: torch.device,
-              use_ops: bool) -> str:
+              use_ops: bool, eager: bool = False) -> str:
     """``capture``, ``static`` or ``off`` from ``env`` (unset or empty: ``default``); ``on`` are its spellings of
-    "capture where it can" (on CUDA with the ops path)."""
+    "capture where it can" (on CUDA with the ops path).  ``eager``: the user asked for eager execution
+    (``enforce_eager``, ``engine_config.user_asked_eager``), so ``auto`` captures nothing; an explicit ``1`` still does."""
     v = os.environ.get(env, default).strip().lower() or default
-    if v in ("0", "false", "off", "no"):
+    if v in ("0", "false", "off", "no") or (v == "auto" and eager):
         return "off"
     if v == "static":
         return "static" if use_ops else "off"
@@ -90,16 +91,17 @@ def _env_mode(env: str, default: str, on: tuple[str, ...], expected: str, device
     return "capture" if device.type == "cuda" and use_ops else "off"
 
 
-def graph_mode(device: torch.device, use_ops: bool) -> str:
+def graph_mode(device: torch.device, use_ops: bool, eager: bool = False) -> str:
     """``capture``, ``static`` or ``off`` for this model's decode steps (see the module docstring)."""
-    return _env_mode(GRAPH_ENV, "auto", ("auto", "1", "true", "on", "yes"), "auto, 0 or static", device, use_ops)
+    return _env_mode(GRAPH_ENV, "auto", ("auto", "1", "true", "on", "yes"), "auto, 0, 1 or static", device, use_ops,
+                     eager)
 
 
-def prefill_graph_mode(device: torch.device, use_ops: bool) -> str:
+def prefill_graph_mode(device: torch.device, use_ops: bool, eager: bool = False) -> str:
     """``capture``, ``static`` or ``off`` for the decoder layers of prefill steps (``VLLM_DSV41_PREFILL_GRAPHS``:
     ``auto`` by default, ``1``, ``0`` or ``static``; see the module docstring)."""
     return _env_mode(PREFILL_GRAPH_ENV, "auto", ("auto", "1", "true", "on", "yes"), "auto, 0, 1 or static", device,
-                     use_ops)
+                     use_ops, eager)
 
 
 def kept_row_bucket(n: int) -> int:

@@ -52,6 +52,7 @@ from vllm_dsv41.ops import mhc as mhc_op
 from vllm_dsv41.ops import sparse_attn_gathered
 from vllm_dsv41.ops.sparse_attn import skip_empty_pays
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
+from vllm_dsv41.engine_config import user_asked_eager
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, clamped_swiglu_act, hc_coefficients,
                                         hc_collapse, hc_post,
                                         index_scores, rms_norm, rope_cos_sin, rope_inv_freq, route, sparse_attention,
@@ -936,6 +937,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if cfg.engram_layer_ids:
             self.model.set_token_map(_compressed_token_map(vllm_config, cfg))
             self.model.history_requests = history_capacity(vllm_config.scheduler_config.max_num_seqs)
+        self.user_eager = user_asked_eager(vllm_config)  # enforce_eager from the user: no graphs unless asked by name
         self._graph_mode: str | None = None  # decided on the first step (graphs.graph_mode)
         self._graphs: DecodeGraphs | None = None
         self._prefill_graph_mode: str | None = None  # the same for the prefill decoder graphs
@@ -1001,7 +1003,7 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _decode_graphs(self, device: torch.device, ops: bool) -> DecodeGraphs | None:
         """The decode-step graphs (``graphs.py``), made on the first step; None when off."""
         if self._graph_mode is None:
-            self._graph_mode = graph_mode(device, ops)
+            self._graph_mode = graph_mode(device, ops, self.user_eager)
             if self._graph_mode != "off":
                 sc, mc = self.vllm_config.scheduler_config, self.vllm_config.model_config
                 self._graphs = DecodeGraphs(lambda st: self._final_hidden(st, self.embed_input_ids(st.input_ids))[0],
@@ -1014,7 +1016,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self._prefill_graph_mode is not None:
             return
         m = self.model
-        mode = self._prefill_graph_mode = prefill_graph_mode(device, ops)
+        mode = self._prefill_graph_mode = prefill_graph_mode(device, ops, self.user_eager)
         if mode != "off" and m.prune:
             mc, sc = self.vllm_config.model_config, self.vllm_config.scheduler_config
             max_rows = self.cfg.sliding_window * min(sc.max_num_seqs, 512)
