@@ -24,9 +24,11 @@ forwards to attention metadata:
   platform turns off), and each request's row in the model's device token
   history (``backend.TokenHistoryRows``, released when the scheduler reports
   the request finished), from which the model takes the ids the host lacks;
-* which requests read every prompt row's logits (the runner's
-  ``num_prompt_logprobs``: prompt logprobs asked for, still in prefill): the
-  decoder layers keep all their rows instead of the last window (§3.2).
+* which requests read every prompt row (the runner's ``num_prompt_logprobs``:
+  prompt logprobs asked for, still in prefill; pooling requests whose pooler
+  reads more than the last row: ``MEAN`` / ``CLS`` sequence pooling,
+  token-level tasks): the decoder layers keep all their rows instead of the
+  last window (§3.2).
 
 A wrapper around ``_build_attention_metadata`` publishes them to the builder
 (``backend.set_pending_step_info``) for the duration of one build.
@@ -160,6 +162,19 @@ def _record_replay_starts(runner, scheduler_output) -> None:
                 starts[req_id] = computed if replays else 0
 
 
+def _pools_every_row(runner, req_id: str) -> bool:
+    """A pooling request whose pooler reads more than its last row's hidden state: token-level tasks, and sequence
+    pooling other than ``LAST`` (``MEAN``, ``CLS``; the model config's pooler)."""
+    params = getattr(runner.input_batch, "pooling_params", None) or {}
+    pp = params.get(req_id)
+    if pp is None:
+        return False
+    if getattr(pp, "task", None) not in ("embed", "classify"):
+        return True
+    pc = getattr(runner.model_config, "pooler_config", None)
+    return str(getattr(pc, "seq_pooling_type", None) or "LAST").upper() != "LAST"
+
+
 def _collect_step_info(runner) -> RunnerStepInfo:
     batch = runner.input_batch
     n = batch.num_reqs
@@ -184,7 +199,7 @@ def _collect_step_info(runner) -> RunnerStepInfo:
                        "that comes back without being resumed may see wrong Engram lookback ids",
                        history.evicted, history.capacity)
     asks = getattr(runner, "num_prompt_logprobs", None) or {}  # the runner's prompt-logprobs requests in prefill
-    keeps_rows = np.array([r in asks for r in req_ids], dtype=np.bool_)
+    keeps_rows = np.array([r in asks or _pools_every_row(runner, r) for r in req_ids], dtype=np.bool_)
     return RunnerStepInfo(
         req_ids=req_ids,
         replay_start=replay_start,
