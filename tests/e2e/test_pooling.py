@@ -31,3 +31,22 @@ def test_pooling_past_the_last_row_reads_every_row(tiny_ckpt, prompts, pooling):
     diff = (default - exact).abs().max().item()
     print(f"{pooling} pooling, default vs exact mode: largest difference {diff:.2e}")
     assert torch.isfinite(default).all() and diff < 1e-4
+
+
+def test_which_pooling_requests_keep_every_row():
+    """``runner_hooks._pools_every_row``: only ``embed`` / ``classify`` under ``LAST`` sequence pooling read just the
+    last row; token-level and combined tasks, and ``MEAN`` / ``CLS`` pooling, read more; a generation request none."""
+    from types import SimpleNamespace
+
+    from vllm_dsv41.attention.runner_hooks import _pools_every_row
+
+    def runner(seq_pooling, **tasks):
+        params = {r: SimpleNamespace(task=t) for r, t in tasks.items()}
+        return SimpleNamespace(input_batch=SimpleNamespace(pooling_params=params),
+                               model_config=SimpleNamespace(pooler_config=SimpleNamespace(seq_pooling_type=seq_pooling)))
+
+    r = runner("LAST", a="embed", b="classify", c="token_embed", d="token_classify", e="embed&token_classify")
+    assert [_pools_every_row(r, k) for k in "abcdef"] == [False, False, True, True, True, False]
+    for seq in ("MEAN", "CLS"):
+        assert _pools_every_row(runner(seq, a="embed"), "a")
+    assert not _pools_every_row(runner(None, a="classify"), "a")  # unset: vLLM's default for these, LAST
