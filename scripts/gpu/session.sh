@@ -153,8 +153,9 @@ case "${1:-}" in
     done ;;
   decide)
     # session 19: both session-18 candidates in one call: their CUDA tests and kernel times, then one workload's
-    # timeline (the rest of the arguments; default batch 64) as base (split off, CUTLASS), split (the mHC split
-    # boundary), split+rows (and dsv41::fp8_rows_gemm), base, split+rows
+    # timeline (the rest of the arguments; default batch 64) as base (split off, CUTLASS), rows (the mHC split
+    # boundary and dsv41::fp8_rows_gemm), split (the split boundary alone), base again; a fresh machine's first
+    # timelines compile past their 100 s limit
     shift
     timeout 90 python3 -m pytest -q -x -p no:cacheprovider tests/ops/test_mhc.py tests/ops/test_fp8_gemm.py \
       -k "cuda and (mhc or rows)" > "$OUT/decide-tests.log" 2>&1
