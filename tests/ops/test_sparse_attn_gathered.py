@@ -253,12 +253,15 @@ def test_rows_path_equals_sparse_attn_ref(dtype):
     _assert_as_ref(got, ref)
 
 
-def test_applies_rows_only_when_asked(monkeypatch):
+def test_applies_rows_by_default_unless_switched_off(monkeypatch):
+    """The decode-rows route is the default since session 19 (docs/benchmarks.md); ``sparse_attn`` switches it off."""
     q = torch.zeros(64, 64, 512, dtype=torch.bfloat16)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
     monkeypatch.delenv(sag.DECODE_ENV, raising=False)
-    assert not sag.applies_rows(q, 64)                                # off by default
+    assert sag.applies_rows(q, 64)                                    # on by default
+    monkeypatch.setenv(sag.DECODE_ENV, "sparse_attn")
+    assert not sag.applies_rows(q, 64)
     monkeypatch.setenv(sag.DECODE_ENV, "flashmla")
     assert sag.applies_rows(q, 64) and sag.applies_rows(q, sag.DECODE_MIN_ROWS)
     assert not sag.applies_rows(q, sag.DECODE_MIN_ROWS - 1)           # too few rows for the SMs
