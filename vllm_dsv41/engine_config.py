@@ -9,7 +9,7 @@ Owns :func:`register_engine_config`: our entry for ``DeepseekV41ForCausalLM`` in
   (``model_executor/graphs.py``); vLLM's torch.compile / graph capture would trace through step
   metadata it does not own.  When the user asked for ``enforce_eager`` themselves, that is recorded
   (:func:`user_asked_eager`) and the model's own graphs stay off too unless named
-  (``VLLM_DSV41_GRAPHS=1`` / ``VLLM_DSV41_PREFILL_GRAPHS=1``);
+  (``VLLM_DSV41_CUDAGRAPH=1`` / ``VLLM_DSV41_PREFILL_GRAPHS=1``);
 * vLLM's choice of async scheduling stands (on by default on CUDA: the next step is prepared while the
   current one runs; the metadata builder reads nothing back from the device), Engram checkpoints
   included: the lookback ids the runner's host token table lacks under async scheduling (the generated

@@ -92,7 +92,8 @@ class DSV41StepMetadata:
     # Each request's row in the model's device token history (``step.TokenHistory``), which supplies the lookback
     # ids the host does not know (generated tokens under async scheduling); -1: none.
     history_rows: torch.Tensor | None = None  # [num_reqs] int32; None -> all -1
-    # Requests whose every row's logits are read (prompt logprobs): the decoder layers never trim them (§3.2).
+    # Requests whose every row is read (prompt logprobs, poolers past the last row): the decoder layers never trim
+    # them (§3.2).
     keeps_rows: torch.Tensor | None = None  # [num_reqs] bool; None -> all False
     # Layer name -> metadata of the KV-cache group that layer belongs to.
     groups: dict[str, DSV41GroupMetadata] = field(default_factory=dict, repr=False)
