@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 def test_entry_point_declared():
     eps = importlib.metadata.entry_points(group="vllm.general_plugins")
@@ -98,3 +100,20 @@ def test_async_scheduling_left_to_vllm_with_and_without_engram(monkeypatch):
     for c in (config([1, 14]), config([])):
         assert apply_engine_settings(c) == []
         assert c.scheduler_config.async_scheduling is None
+
+
+def test_model_runner_v2_is_refused_by_name(monkeypatch):
+    """Asked for model runner V2, the engine config of a V4.1 checkpoint fails with the variable named: our runner
+    hooks patch V1, and without them replay starts, Engram lookback ids and prompt-logprobs rows would be lost
+    without an error."""
+    from types import SimpleNamespace
+
+    from vllm_dsv41.engine_config import apply_engine_settings
+
+    cfg = SimpleNamespace(model_config=SimpleNamespace(enforce_eager=True), scheduler_config=None,
+                          additional_config={})
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    with pytest.raises(ValueError, match="VLLM_USE_V2_MODEL_RUNNER='1'.*model runner V1"):
+        apply_engine_settings(cfg)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert apply_engine_settings(cfg) == [] and cfg.additional_config == {"vllm_dsv41_user_enforce_eager": True}

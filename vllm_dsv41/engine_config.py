@@ -14,8 +14,8 @@ Owns :func:`register_engine_config`: our entry for ``DeepseekV41ForCausalLM`` in
   current one runs; the metadata builder reads nothing back from the device), Engram checkpoints
   included: the lookback ids the runner's host token table lacks under async scheduling (the generated
   ones) come from the model's device token history (``model_executor/step.py``, ``TokenHistory``);
-* model runner V1 (``VLLM_USE_V2_MODEL_RUNNER=0`` unless the user set it): our runner hooks
-  (``attention/runner_hooks.py``) patch V1.
+* model runner V1 (``VLLM_USE_V2_MODEL_RUNNER=0`` unless the user set it; set to 1, the engine is refused
+  with the reason): our runner hooks (``attention/runner_hooks.py``) patch V1.
 
 Each override is logged once with its reason.
 """
@@ -49,9 +49,16 @@ def apply_engine_settings(vllm_config) -> list[str]:
     if mc is not None and not mc.enforce_eager:
         mc.enforce_eager = True
         changed.append("enforce_eager=True (the model captures its own decode CUDA graphs)")
-    if os.environ.get(V2_RUNNER_ENV) is None:
+    v2 = os.environ.get(V2_RUNNER_ENV)
+    if v2 is None:
         os.environ[V2_RUNNER_ENV] = "0"
         changed.append(f"{V2_RUNNER_ENV}=0 (the plugin's runner hooks patch model runner V1)")
+    elif v2.strip().lower() in ("1", "true", "yes", "on"):
+        # without the hooks the step metadata would lack replay starts, Engram lookback ids and the rows that prompt
+        # logprobs read: wrong answers with no error, so no engine
+        raise ValueError(f"{V2_RUNNER_ENV}={v2!r}: vllm-dsv41 serves DeepSeek-V4.1 through model runner V1 only (its "
+                         f"runner hooks carry per-request facts V2 would drop); unset it or set it to 0, or set "
+                         f"VLLM_DSV41_DISABLE=1 for vLLM's built-in model")
     for c in changed:
         logger.info("vllm-dsv41: %s", c)
     return changed
