@@ -133,16 +133,30 @@ def test_default_mode_pruning_and_prefix_replay(tiny_ckpt, tiny_model, prompts, 
     print("replayed:", ref, "exact:", exact_ref)
 
 
-@pytest.mark.parametrize("ops", ["0", "1", "static"], ids=["torch", "ops", "static-decoder"])
+@pytest.mark.parametrize("ops", ["0", "1", "static", "gathered"], ids=["torch", "ops", "static-decoder", "gathered"])
 def test_pruned_step_keeps_untrimmed_windows(tiny_ckpt, tiny_model, prompts, ops, monkeypatch):
     """A pruned step (some request brings more than a window of rows) beside a request whose chunk of 2..W rows
     follows earlier context: only the trimmed request's decoder windows start at its kept rows (§3.2 item 5); the
     other one's rows read their whole windows, from the decoder KV its previous chunk kept.  Budget 64: the
     200-token prompt's chunks are 64, 64, 64 and 8, the last beside the 40-token prompt (trimmed to W rows).
     ``static-decoder``: the decoder layers of every step but the pure decode ones as the padded static step that CUDA
-    captures (``graphs.DecoderGraphs``), the untrimmed steps' too (every row kept)."""
+    captures (``graphs.DecoderGraphs``), the untrimmed steps' too (every row kept).  ``gathered``: attention through
+    the routes the H200 takes (FlashMLA's kernel on gathered keys for prefill-sized steps and on each row's keys for
+    decode rows; the kernel's CPU stand-in), forced for every step."""
     from vllm_dsv41.model_executor import graphs
     from vllm_dsv41.model_executor import model as model_mod
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
+
+    kernel_rows = []
+
+    def kernel(*a, **kw):
+        kernel_rows.append(a[0].shape[0])
+        return sag.sparse_fwd_ref(*a, **kw)
+
+    if ops == "gathered":
+        monkeypatch.setattr(sag, "applies", lambda q, rows: rows > 1)
+        monkeypatch.setattr(sag, "applies_rows", lambda q, rows: rows == 1)
+        monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: kernel)
 
     monkeypatch.setenv("VLLM_DSV41_OPS", "0" if ops == "0" else "1")
     monkeypatch.setenv(graphs.PREFILL_GRAPH_ENV, "static" if ops == "static" else "0")
@@ -169,6 +183,7 @@ def test_pruned_step_keeps_untrimmed_windows(tiny_ckpt, tiny_model, prompts, ops
     with engine(tiny_ckpt, exact=False, **kw) as llm:
         outs = _generate(llm, [long, short], logits=True)
     assert mixed, "no pruned step held an untrimmed multi-row chunk"
+    assert bool(kernel_rows) == (ops == "gathered") and (ops != "gathered" or 24 in kernel_rows), kernel_rows
     if ops == "static":  # the pruned mixed step and the untrimmed ones (the first chunks kept whole are not: > W)
         assert any(q == m for m in mixed for q, _ in static), static
         assert any(n == sum(q) for q, n in static), f"no untrimmed step ran as a static decoder step: {static}"
