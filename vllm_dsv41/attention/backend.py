@@ -108,7 +108,7 @@ class DSV41StepMetadata:
     def trimmed(self, window: int) -> torch.Tensor:
         """[num_reqs] bool (host): the requests whose rows the decoder layers trim to their last ``window`` (CED
         pruning, §3.2): more rows than that, and no reader of every row's logits."""
-        return ((self.query_start_loc[1:] - self.query_start_loc[:-1]) > window) & ~self.keeps_rows
+        return (self.query_lens > window) & ~self.keeps_rows
 
     def on(self, name: str, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor field ``name`` (or ``replayed``, the replayed-token mask) on ``device`` (as ``dtype``),

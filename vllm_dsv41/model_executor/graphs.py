@@ -165,6 +165,16 @@ def _add_groups(out: DSV41StepMetadata, meta: DSV41StepMetadata,
         out.groups[name] = ng
 
 
+def kept_floors(meta: DSV41StepMetadata, counts: torch.Tensor) -> torch.Tensor:
+    """[num_reqs] host: the decoder layers' SWA floor of each request of ``meta`` when they keep ``counts`` of its
+    rows, its last ones (§3.2 item 5): a request some of whose rows were dropped reads from its first kept row on,
+    as no decoder KV exists below it; the others read their whole windows (their earlier chunks kept their last
+    rows), down to their replay start."""
+    rs = meta.replay_start
+    first_kept = (meta.seq_lens - counts).to(rs.dtype)
+    return torch.where(counts < meta.query_lens, torch.maximum(rs, first_kept), rs)
+
+
 def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.Tensor, rows: int,
                    batch: int) -> DSV41StepMetadata:
     """The rows ``kept`` (host int64, ascending: each request's kept rows together; ``kept_dev``: the same on the
@@ -172,8 +182,7 @@ def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.
     The kept rows keep their positions, requests and SWA slots (the runner's slot mapping at those rows); padded
     rows sit at position 0 of request 0 and write nothing (slot -1); padded requests read through an all-zero
     block-table row, as in :func:`pad_decode_meta`.  Its ``replay_start`` is each request's decoder SWA floor
-    (``model.decoder_floors``): a request some of whose rows were dropped reads from its first kept row on, the
-    others from their replay start (the decoder layers write no compressed entry, so nothing else reads it).
+    (:func:`kept_floors`; the decoder layers write no compressed entry, so nothing else reads it).
     Every row's result depends on its own inputs only, so the kept rows' results are those of the eager
     decoder layers on the same rows."""
     n, B, R = meta.num_reqs, batch, rows
@@ -182,14 +191,11 @@ def kept_step_meta(meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.
     qsl = torch.zeros(B + 1, dtype=meta.query_start_loc.dtype)
     qsl[1:n + 1] = torch.cumsum(counts, 0)
     qsl[n + 1:] = qsl[n]
-    rs = meta.replay_start
-    first_kept = (meta.seq_lens - counts).to(rs.dtype)
-    floor = torch.where(counts < meta.query_lens, torch.maximum(rs, first_kept), rs)
     out = DSV41StepMetadata(
         num_reqs=B, num_tokens=R, req_ids=list(meta.req_ids) + [None] * (B - n), query_start_loc=qsl,
         seq_lens=_pad(meta.seq_lens, B, 1), context_lens=_pad(meta.context_lens, B, 0),
         positions=_pad(meta.positions[kept], R, 0), token_req_idx=_pad(req, R, 0),
-        replay_start=_pad(floor, B, 0), replay_window=meta.replay_window,
+        replay_start=_pad(kept_floors(meta, counts), B, 0), replay_window=meta.replay_window,
         lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False),
         history_rows=_pad(meta.history_rows, B, -1))
     _add_groups(out, meta, lambda slots: _pad(slots[kept_dev], R, -1))
@@ -413,7 +419,10 @@ class DecoderGraphs(_GraphSet):
         return _pow2_at_least(meta.num_reqs), kept_row_bucket(n_kept), self._context(meta)
 
     def accepts(self, meta: DSV41StepMetadata, n_kept: int) -> bool:
-        return 0 < n_kept <= self.max_rows and meta.num_reqs > 0 and self._fits(meta)
+        """Rows and requests within the captured sizes, and no request keeping more than a window of rows (prompt
+        logprobs, poolers past the last row): the static step's gather bounds assume at most that many."""
+        return (0 < n_kept <= self.max_rows and meta.num_reqs > 0 and self._fits(meta)
+                and not bool((meta.keeps_rows & (meta.query_lens > self.window)).any()))
 
     def run(self, meta: DSV41StepMetadata, kept: torch.Tensor, kept_dev: torch.Tensor, S: torch.Tensor,
             pre: torch.Tensor, carry: dict, device: torch.device, capture: bool = True

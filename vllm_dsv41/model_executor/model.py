@@ -44,7 +44,7 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
                                               fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, moe_fp8_from, mxfp4_expert_stack,
                                               ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
-from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, graph_mode, in_static_step,
+from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, graph_mode, in_static_step, kept_floors,
                                               prefill_graph_mode)
 from vllm_dsv41.model_executor.overlap import beside
 from vllm_dsv41.model_executor.step import Step, TokenHistory
@@ -736,20 +736,18 @@ def kept_rows_host(step: Step, window: int) -> torch.Tensor:
     """CED pruning (§3.2): the step rows the decoder layers run on, each request's last ``window`` rows (all of them
     for a request whose every row's logits are read), as host int64 indices (ascending), from the CPU metadata."""
     qsl = step.query_start_loc_cpu.tolist()
-    whole = step.meta.keeps_rows.tolist()
-    keep = [torch.arange(qsl[i] if whole[i] else max(qsl[i], qsl[i + 1] - window), qsl[i + 1])
+    trim = step.meta.trimmed(window).tolist()
+    keep = [torch.arange(max(qsl[i], qsl[i + 1] - window) if trim[i] else qsl[i], qsl[i + 1])
             for i in range(step.num_reqs)]
     return torch.cat(keep) if keep else torch.arange(0)
 
 
-def decoder_floors(step: Step, window: int) -> torch.Tensor:
-    """[num_reqs] the SWA floor of the decoder layers in a pruned step (§3.2 item 5): a trimmed request's (more
-    than ``window`` rows) windows start at its first kept row, as no decoder KV exists below it; every other
-    request's rows read their whole windows (its earlier chunks kept their last rows), down to its replay start."""
+def decoder_floors(step: Step, kept: torch.Tensor) -> torch.Tensor:
+    """[num_reqs] on the step's device: the decoder layers' SWA floors (:func:`graphs.kept_floors`) when they keep
+    the host rows ``kept``."""
     m = step.meta
-    rs = m.replay_start
-    floors = torch.where(m.trimmed(window), torch.maximum(rs, m.seq_lens.to(rs.dtype) - window), rs)
-    return host_to_device(floors, step.device)
+    counts = torch.bincount(m.token_req_idx[kept], minlength=m.num_reqs)[:m.num_reqs]
+    return host_to_device(kept_floors(m, counts), step.device)
 
 
 def decoder_rows(step: Step, window: int, enabled: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -840,21 +838,17 @@ class DeepseekV41Model(nn.Module):
                                        self.prune and step.needs_pruning(cfg.sliding_window))
         base_floor = step.replay_start
         graphs = self.decoder_graphs if self.prune and not in_static_step() else None
-        if graphs is not None and bool((step.meta.keeps_rows & (step.meta.query_lens > cfg.sliding_window)).any()):
-            graphs = None  # a request keeps more than a window of rows: past the static step's gather bounds
-        if graphs is not None and kept_host is None:
-            # nothing to trim (a mixed step of short chunks beside decode rows): the decoder layers still run as the
-            # captured static step, over every row, when a bucket takes them; else the eager loop as it was
-            if graphs.accepts(step.meta, T):
-                kept_host, kept = torch.arange(T), tok
-            else:
-                graphs = None
+        if graphs is not None and not graphs.accepts(step.meta, T if kept_host is None else kept_host.numel()):
+            graphs = None
+        elif graphs is not None and kept_host is None:
+            # nothing to trim (a mixed step of short chunks beside decode rows): every row kept, so the decoder layers
+            # still run as the captured static step
+            kept_host, kept = torch.arange(T), tok
         for L, layer in enumerate(self.layers):
             plan = layer.plan
             if graphs is not None and L == cfg.boundary_layer + 1:
                 carry = {k: step.scratch[k] for k in self.decoder_carry if k in step.scratch}
-                if graphs.accepts(step.meta, kept_host.numel()) and all(
-                        t.shape[0] == kept_host.numel() for t in carry.values()):
+                if all(t.shape[0] == kept_host.numel() for t in carry.values()):
                     S, pre = graphs.run(step.meta, kept_host, kept, S, pre, carry, S.device,
                                         capture=self.decoder_graph_mode == "capture")
                     return S, pre, tok
@@ -865,7 +859,7 @@ class DeepseekV41Model(nn.Module):
             if kept_host is not None and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
             elif kept_host is not None and plan.is_decoder:  # one tensor for every decoder layer (caches key on it)
-                floors = step.once("decoder_floors", lambda: decoder_floors(step, cfg.sliding_window))
+                floors = step.once("decoder_floors", lambda: decoder_floors(step, kept_host))
             S, pre = layer(self, step, S, pre, tok, rows, floors)
             tok = step.take(tok, rows)
         return S, pre, tok
@@ -892,7 +886,7 @@ def _run_decoder(model: DeepseekV41Model, step: Step, S: torch.Tensor, pre: torc
     cfg = model.cfg
     step.scratch.update(carry)
     rows = step.all_rows(S.shape[0])
-    floors = step.replay_start  # kept_step_meta's: each request's decoder floor
+    floors = step.replay_start  # kept_step_meta's: each request's decoder floor (graphs.kept_floors)
     for layer in model.layers[cfg.boundary_layer + 1:]:
         S, pre = layer(model, step, S, pre, rows, rows, floors)
     return S, pre

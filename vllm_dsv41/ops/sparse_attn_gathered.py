@@ -19,7 +19,8 @@ Same maths and arguments as ``dsv41::sparse_attn`` (:mod:`vllm_dsv41.ops.sparse_
 Why (H200, docs/benchmarks.md session 10): at 4,096 prefill rows FlashMLA's kernel took 654 µs against
 ``sparse_attn``'s 2,752 on the records; end to end, with the gather, a 32k prompt's prefill went from 1.70 to
 1.54 s.  So it is the default for prefill-sized steps where it applies (``VLLM_DSV41_PREFILL_ATTN=auto``);
-``sparse_attn`` keeps decode by default and is the comparison path (``VLLM_DSV41_PREFILL_ATTN=sparse_attn``).
+``sparse_attn`` is the comparison path (``VLLM_DSV41_PREFILL_ATTN=sparse_attn``); decode-sized steps take the
+decode-rows route below.
 On CPU (tests) ``kernel`` is :func:`sparse_fwd_ref`, a float64 stand-in with the kernel's contract.
 
 **Decode rows** (``VLLM_DSV41_DECODE_ATTN=flashmla``, the default since session 19: at batch 64 its kernels take 1.67
