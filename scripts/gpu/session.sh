@@ -43,9 +43,9 @@ case "${1:-}" in
     grep -E "passed|failed|FAILED|Error" "$OUT/ops-tests.log" | tail -30 ;;
   tests)
     # the tiny checkpoint vs the CPU reference first (an acceptance check), then the weight layers, then the small model
-    timeout 440 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tiny_cuda.py tests/gpu/test_marlin_weights.py \
+    timeout 540 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_tiny_cuda.py tests/gpu/test_marlin_weights.py \
       tests/gpu/test_fast_path_cuda.py > "$OUT/gpu-tests.log" 2>&1
-    grep -E "passed|failed|error|equal|divergence|rel err|prefill graphs" "$OUT/gpu-tests.log" | tail -40 ;;
+    grep -E "passed|failed|error|equal|divergence|rel err|prefill graphs|mixed graphs|mixed-step" "$OUT/gpu-tests.log" | tail -40 ;;
   profile)
     timeout 560 python3 scripts/gpu/profile_steps.py /tmp/bench --host > "$OUT/profile.log" 2>&1
     grep -vE "^(\(|INFO|WARNING|\[)" "$OUT/profile.log" | tail -160 | cut -c1-220 ;;

@@ -647,3 +647,72 @@ def test_prefill_decoder_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypat
         assert static_plans and all(b is not None and t <= b for _, t, b in plans), plans
         print(f"{len(static_plans)} gather plans in static decoder steps, blocks touched / bound: "
               f"{sum(t for t, _ in static_plans)} / {sum(b for _, b in static_plans)}")
+
+
+@pytest.mark.parametrize("attn", ["sparse_attn", "gathered"])
+def test_mixed_step_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch, attn):
+    """``VLLM_DSV41_MIXED_GRAPHS=static``: steps in which some request brings several rows, none more than a window
+    (short chunks beside decode rows, under the 24-token budget of the chunked exact-mode test), run whole as the padded static step that CUDA captures
+    (``graphs.MixedGraphs``, ``pad_mixed_meta``: the padded rows in a padding request that writes nothing), without
+    capture.  Exact mode: every prompt's tokens equal the reference's, and the eager run's (logits to fp32 summation
+    order); inside the static steps nothing reads a device value on the host and no step metadata is copied to the
+    device.  ``gathered``: attention through FlashMLA's route (its CPU stand-in) in every step, the static ones
+    included, whose gather plans take the bucket's bounds: every plan's bound holds."""
+    from vllm_dsv41.attention.backend import DSV41StepMetadata
+    from vllm_dsv41.model_executor import graphs
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    monkeypatch.setenv(graphs.GRAPH_ENV, "0")
+    probe = probe_static_steps(monkeypatch, _HostReads() if attn == "sparse_attn" else _CudaPathHostReads())
+    plans, make_plan, copies, seen = [], sag.gather_plan, [], []
+    if attn == "gathered":
+        def plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks=None):
+            plans.append((graphs.in_static_step(), count_touched(slots, bstep), max_blocks))
+            return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
+
+        monkeypatch.setattr(sag, "gather_plan", plan)
+        monkeypatch.setattr(sag, "applies", lambda q, rows: True)
+        monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
+    on, accepts = DSV41StepMetadata.on, graphs.MixedGraphs.accepts
+
+    def on_checked(self, name, *a, **k):
+        if graphs.in_static_step():
+            copies.append(name)
+        return on(self, name, *a, **k)
+
+    def accepts_seen(self, meta):
+        ok = accepts(self, meta)
+        if ok:
+            seen.append((meta.query_lens.tolist(), self.key(meta)))
+        return ok
+
+    monkeypatch.setattr(DSV41StepMetadata, "on", on_checked)
+    monkeypatch.setattr(graphs.MixedGraphs, "accepts", accepts_seen)
+    W = tiny_model.cfg.sliding_window
+    # (under a 20-token budget a record near-tie of the 200-token prompt flips against the reference, eager or not)
+    kw = dict(enable_chunked_prefill=True, max_num_batched_tokens=24, logprobs_mode="raw_logits", max_logprobs=-1)
+    runs = {}
+    for mode in ("0", "static"):
+        monkeypatch.setenv(graphs.MIXED_GRAPH_ENV, mode)
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            outs = _generate(llm, prompts, logits=True)
+        runs[mode] = [list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs]
+        if mode == "0":
+            assert not seen, "mixed-step graphs ran with VLLM_DSV41_MIXED_GRAPHS=0"
+    mixed = [q for q, _ in seen if max(q) > 1 and 1 in q]
+    assert mixed, f"no step with a multi-row chunk beside decode rows ran as a static mixed step: {seen}"
+    for q, (B, R, ctx) in seen:
+        assert B > len(q) and R >= sum(q) and max(q) <= W and ctx >= graphs.MIN_CONTEXT, (q, (B, R, ctx))
+    assert not probe.hits, f"host reads inside static mixed steps: {sorted(probe.hits)}"
+    assert not copies, f"step metadata copied to the device inside static mixed steps: {sorted(set(copies))}"
+    for p, toks in zip(prompts, runs["static"][0]):
+        assert toks == tiny_model.generate(p, MAX_TOKENS)[0], f"prompt of {len(p)} tokens differs from the reference"
+    assert runs["static"][0] == runs["0"][0]
+    per_prompt = [(a - b).abs().max().item() for a, b in zip(runs["0"][1], runs["static"][1])]
+    print(f"{len(seen)} static mixed steps, keys {sorted({k for _, k in seen})}: |logit difference| to eager median "
+          f"{statistics.median(per_prompt):.2e}, largest {max(per_prompt):.2e}")
+    assert statistics.median(per_prompt) < 1e-4 and max(per_prompt) < 1e-2  # fp32 summation order over padded rows
+    if attn == "gathered":
+        static_plans = [(t, b) for st, t, b in plans if st]
+        assert static_plans and all(b is not None and t <= b for t, b in static_plans), static_plans

@@ -153,6 +153,42 @@ def test_prefill_decoder_graphs_cuda(tiny_ckpt, prompts, monkeypatch):
     assert worst < 5e-2
 
 
+def test_mixed_step_graphs_cuda(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_MIXED_GRAPHS=1`` on CUDA (default mode, a 24-token budget: short chunks beside decode rows): the
+    mixed steps are captured (no capture failure, keys recorded) and replayed, and the greedy tokens equal those of the
+    same engine with them eager; the step-0 logits agree to GPU summation noise.  The prompts run twice, so the second run
+    replays what the first captured."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.e2e.conftest import engine
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    monkeypatch.setenv("VLLM_DSV41_OPS", "auto")
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "1")
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=-1)
+    runs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("VLLM_DSV41_MIXED_GRAPHS", mode)
+        with engine(tiny_ckpt, exact=False, logprobs_mode="raw_logits", max_logprobs=-1, async_scheduling=False,
+                    kv_cache_memory_bytes=1 << 30, enable_prefix_caching=False, enable_chunked_prefill=True,
+                    max_num_batched_tokens=24) as llm:
+            gen = [llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+                   for _ in range(2)]
+            state = llm.apply_model(lambda m: None if m._mixed is None else
+                                    (m._mixed.failed, sorted(m._mixed.entries), sorted(m._mixed.entries_seen)))[0]
+        print(f"[mixed graphs {mode}] (failure, captured keys, keys run): {state}")
+        if mode == "1":
+            assert state is not None and state[0] is None and state[1], state
+        runs[mode] = [[list(o.outputs[0].token_ids) for o in outs] for outs in gen]
+        vocab = len(gen[1][0].outputs[0].logprobs[0])
+        runs[mode + "logits"] = [_logit_rows(o, vocab)[0] for o in gen[1]]
+    assert runs["1"][0] == runs["1"][1] == runs["0"][0], (runs["0"], runs["1"])
+    worst = max((a - b).abs().max().item() for a, b in zip(runs["0logits"], runs["1logits"]))
+    print(f"mixed-step graphs: tokens equal, step-0 max|dlogit| vs eager {worst:.2e}")
+    assert worst < 5e-2
+
+
 def test_async_scheduling_equals_sync(tiny_ckpt, prompts, monkeypatch):
     """Async scheduling on (vLLM's CUDA default; the tiny checkpoint has Engram layers, whose generated lookback ids
     then come from the model's device token history, ``step.TokenHistory``): the same tokens and, to fp32 rounding,

@@ -28,6 +28,13 @@ GPU waiting at the end of every prefill chunk (docs/benchmarks.md, session 13). 
 ``auto`` (the default, as ``1``), ``1`` (capture on CUDA with the ops path), ``0`` (eager) or ``static`` (the
 padded static decoder steps without capture, on any device).  On by default since session 18: the no-crash sweep
 ran with them and the batch-64 workload gained (docs/benchmarks.md, sessions 16 and 18).
+
+And :class:`MixedGraphs`: whole steps in which some request brings several rows but none more than
+``sliding_window`` (so nothing is pruned): the last chunk of a prompt beside decode rows, short prompts, multi-row
+verify steps.  Such a step is as host-bound as a decode step (session 19: the batch-64 workload's 157-row tail step
+took 253-276 ms of host time for 47-67 ms of GPU work), so it is padded to a (request bucket, row bucket, context
+bucket) key and captured like one (:func:`pad_mixed_meta`: the padded rows belong to one padding request that
+writes nothing).  ``VLLM_DSV41_MIXED_GRAPHS``: ``auto`` (the default, as ``1``), ``1``, ``0`` or ``static``, as above.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 GRAPH_ENV = "VLLM_DSV41_CUDAGRAPH"
 PREFILL_GRAPH_ENV = "VLLM_DSV41_PREFILL_GRAPHS"
+MIXED_GRAPH_ENV = "VLLM_DSV41_MIXED_GRAPHS"
 MIN_CONTEXT = 1024
 MIN_KEPT_ROWS = 256  # smallest row bucket of the decoder graphs
 MAX_DECODER_GRAPHS = 24
@@ -55,6 +63,11 @@ KEPT_ROW_STEP = 256
 chunk of the batch-64 workload keeps ~2,070 rows (15-16 requests' last 128 plus the decode rows of a mixed step),
 which a power-of-two bucket pads to 4,096 (session 14: the likely source of ~27 ms more MoE and GEMM work a step,
 inferred from the kernel totals)."""
+MIN_MIXED_ROWS = 16  # smallest row bucket of the mixed-step graphs
+MAX_MIXED_ROWS = 1024
+"""Most rows a step the mixed-step graphs take has (larger steps keep the GPU busy on their own)."""
+MAX_MIXED_GRAPHS = 16
+"""Most (request, row, context) buckets the mixed-step graphs capture; steps of further buckets run eagerly."""
 
 
 _IN_STATIC_STEP = False
@@ -104,6 +117,21 @@ def prefill_graph_mode(device: torch.device, use_ops: bool, eager: bool = False)
                      use_ops, eager)
 
 
+def mixed_graph_mode(device: torch.device, use_ops: bool, eager: bool = False) -> str:
+    """``capture``, ``static`` or ``off`` for the mixed steps (``VLLM_DSV41_MIXED_GRAPHS``: ``auto`` by default, ``1``,
+    ``0`` or ``static``; see the module docstring)."""
+    return _env_mode(MIXED_GRAPH_ENV, "auto", ("auto", "1", "true", "on", "yes"), "auto, 0, 1 or static", device,
+                     use_ops, eager)
+
+
+def mixed_row_bucket(n: int) -> int:
+    """The row bucket of a mixed step of ``n`` rows: a power of two from :data:`MIN_MIXED_ROWS` to 256, then the next
+    multiple of 128."""
+    if n <= 256:
+        return _pow2_at_least(n, MIN_MIXED_ROWS)
+    return -(-n // 128) * 128
+
+
 def kept_row_bucket(n: int) -> int:
     """The row bucket of ``n`` kept rows: a power of two from :data:`MIN_KEPT_ROWS` to 1,024, then the next multiple
     of :data:`KEPT_ROW_STEP`."""
@@ -146,6 +174,28 @@ def pad_decode_meta(meta: DSV41StepMetadata, batch: int) -> DSV41StepMetadata:
         lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False),
         history_rows=_pad(meta.history_rows, B, -1))
     _add_groups(out, meta, lambda slots: _pad(slots, B, -1))
+    return out
+
+
+def pad_mixed_meta(meta: DSV41StepMetadata, rows: int, batch: int) -> DSV41StepMetadata:
+    """``meta`` grown to ``rows`` rows and ``batch`` (> its ``num_reqs``) requests.  The padded rows belong to request
+    ``num_reqs``, the padding request: position 0, seq len 1, an all-zero block-table row (the null block), so it
+    writes no KV (the runner's SWA slot -1, no compressed or ring slot for block 0), reads the null block and has no
+    lookback ids or history row; the further padded requests have no rows.  Each real row's result depends on its
+    own request's inputs only, so the real rows' results are those of the unpadded step."""
+    n, T, B, R = meta.num_reqs, meta.num_tokens, batch, rows
+    if B <= n or R < T:
+        raise ValueError(f"pad_mixed_meta: {n} requests / {T} rows do not fit {B} / {R}")
+    qsl = torch.full((B + 1,), R, dtype=meta.query_start_loc.dtype)
+    qsl[:n + 1] = meta.query_start_loc
+    out = DSV41StepMetadata(
+        num_reqs=B, num_tokens=R, req_ids=list(meta.req_ids) + [None] * (B - n), query_start_loc=qsl,
+        seq_lens=_pad(meta.seq_lens, B, 1), context_lens=_pad(meta.context_lens, B, 0),
+        positions=_pad(meta.positions, R, 0), token_req_idx=_pad(meta.token_req_idx, R, n),
+        replay_start=_pad(meta.replay_start, B, 0), replay_window=meta.replay_window,
+        lookback_token_ids=_pad(meta.lookback_token_ids, B, -1), is_prefill=_pad(meta.is_prefill, B, False),
+        history_rows=_pad(meta.history_rows, B, -1))
+    _add_groups(out, meta, lambda slots: _pad(slots, R, -1))
     return out
 
 
@@ -371,31 +421,76 @@ class DecodeGraphs(_GraphSet):
     def accepts(self, meta: DSV41StepMetadata) -> bool:
         return is_decode_step(meta, self.max_batch) and self._fits(meta)
 
-    def key(self, meta: DSV41StepMetadata) -> tuple[int, int]:
+    def key(self, meta: DSV41StepMetadata) -> tuple[int, ...]:
         return _pow2_at_least(meta.num_reqs), self._context(meta)
+
+    def _padded(self, meta: DSV41StepMetadata, key: tuple[int, ...]) -> DSV41StepMetadata:
+        return pad_decode_meta(meta, key[0])
+
+    def _static_step(self, padded: DSV41StepMetadata, device: torch.device, key: tuple[int, ...]) -> StaticStep:
+        return StaticStep(padded, device, key[-1])
+
+    def _may_capture(self) -> bool:
+        return True
 
     def run(self, meta: DSV41StepMetadata, input_ids: torch.Tensor, device: torch.device,
             capture: bool = True) -> torch.Tensor:
         """Hidden states of the step's real rows.  ``capture=False`` runs the padded static step eagerly
         (the CPU check of the padding)."""
-        n = meta.num_reqs
-        B, ctx = self.key(meta)
-        self.entries_seen.add((B, ctx))
-        padded = pad_decode_meta(meta, B)
-        entry = self.entries.get((B, ctx))
+        n = meta.num_tokens
+        key = self.key(meta)
+        self.entries_seen.add(key)
+        padded = self._padded(meta, key)
+        entry = self.entries.get(key)
         if entry is not None:
             step, graph, out = entry
             step.load(padded, input_ids, n)
             graph.replay()
             return out[:n]
-        step = StaticStep(padded, device, ctx)
+        step = self._static_step(padded, device, key)
         step.load(padded, input_ids, n)
         with _static_step():
             h = self.run_model(step)  # eager: this step's answer, and the warm-up before capture
-        got = self._capture(step, lambda: self.run_model(step)) if capture else None
+        got = self._capture(step, lambda: self.run_model(step)) if capture and self._may_capture() else None
         if got is not None:
-            self.entries[(B, ctx)] = (step, *got)
+            self.entries[key] = (step, *got)
         return h[:n]
+
+
+class MixedGraphs(DecodeGraphs):
+    """Captured mixed steps (several rows for some request, at most ``window`` for any, at most
+    :data:`MAX_MIXED_ROWS` in all) keyed by (request bucket, row bucket, context bucket): the request bucket leaves
+    room for the padding request of :func:`pad_mixed_meta`.  The static step knows that no request has more than
+    ``window`` rows, so attention may gather keys inside it (``StaticStep.gather_bounds``).  Past
+    :data:`MAX_MIXED_GRAPHS` captured keys, steps of new keys run eagerly (each keeps its activations)."""
+
+    what = "mixed steps"
+
+    def __init__(self, run_model: Callable[[Step], torch.Tensor], max_batch: int, max_context: int, window: int,
+                 max_rows: int = MAX_MIXED_ROWS):
+        super().__init__(run_model, max_batch, max_context)
+        self.window, self.max_rows = window, max_rows
+
+    def accepts(self, meta: DSV41StepMetadata) -> bool:
+        """Not a decode step; within the row and request bounds; no request with more than a window of rows (the
+        decoder would prune it, and the gather bounds assume at most that many); a captured key, or room for one."""
+        if not (meta.num_reqs < meta.num_tokens <= self.max_rows and meta.num_reqs <= self.max_batch):
+            return False
+        if int(meta.query_lens.max()) > self.window or not self._fits(meta):
+            return False
+        return len(self.entries) < MAX_MIXED_GRAPHS or self.key(meta) in self.entries
+
+    def key(self, meta: DSV41StepMetadata) -> tuple[int, ...]:
+        return _pow2_at_least(meta.num_reqs + 1), mixed_row_bucket(meta.num_tokens), self._context(meta)
+
+    def _padded(self, meta: DSV41StepMetadata, key: tuple[int, ...]) -> DSV41StepMetadata:
+        return pad_mixed_meta(meta, key[1], key[0])
+
+    def _static_step(self, padded: DSV41StepMetadata, device: torch.device, key: tuple[int, ...]) -> StaticStep:
+        return StaticStep(padded, device, key[-1], rows_per_request=self.window)
+
+    def _may_capture(self) -> bool:
+        return len(self.entries) < MAX_MIXED_GRAPHS
 
 
 class DecoderGraphs(_GraphSet):

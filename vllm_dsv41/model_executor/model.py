@@ -44,8 +44,8 @@ from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, Weight
                                               fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, moe_fp8_from, mxfp4_expert_stack,
                                               ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
-from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, graph_mode, in_static_step, kept_floors,
-                                              prefill_graph_mode)
+from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, MixedGraphs, graph_mode, in_static_step,
+                                              kept_floors, mixed_graph_mode, prefill_graph_mode)
 from vllm_dsv41.model_executor.overlap import beside
 from vllm_dsv41.model_executor.step import Step, TokenHistory
 from vllm_dsv41.ops import mhc as mhc_op
@@ -936,6 +936,9 @@ class DeepseekV41ForCausalLM(nn.Module):
         self._graphs: DecodeGraphs | None = None
         self._prefill_graph_mode: str | None = None  # the same for the prefill decoder graphs
         prefill_graph_mode(torch.device("cpu"), True)  # a misspelt VLLM_DSV41_PREFILL_GRAPHS fails the start
+        self._mixed_graph_mode: str | None = None  # and for the mixed steps' graphs
+        self._mixed: MixedGraphs | None = None
+        mixed_graph_mode(torch.device("cpu"), True)  # the same for VLLM_DSV41_MIXED_GRAPHS
 
     # vLLM model interface -------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -957,6 +960,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         graphs = self._decode_graphs(dev, ops) if inputs_embeds is None else None
         if graphs is not None and graphs.accepts(meta):
             out[:n] = graphs.run(meta, input_ids, dev, capture=self._graph_mode == "capture")
+            return out
+        mixed = self._mixed_graphs(dev, ops) if inputs_embeds is None else None
+        if mixed is not None and mixed.accepts(meta):
+            out[:n] = mixed.run(meta, input_ids, dev, capture=self._mixed_graph_mode == "capture")
             return out
         self._prefill_decoder_graphs(dev, ops)
         step = Step(meta, input_ids[:n] if input_ids is not None else None, device=dev, use_ops=ops)
@@ -1003,6 +1010,18 @@ class DeepseekV41ForCausalLM(nn.Module):
                 self._graphs = DecodeGraphs(lambda st: self._final_hidden(st, self.embed_input_ids(st.input_ids))[0],
                                             max_batch=min(sc.max_num_seqs, 512), max_context=mc.max_model_len)
         return self._graphs
+
+    def _mixed_graphs(self, device: torch.device, ops: bool) -> MixedGraphs | None:
+        """The mixed steps' graphs (``graphs.MixedGraphs``: short chunks beside decode rows, whole), made on the first
+        step; None when off."""
+        if self._mixed_graph_mode is None:
+            self._mixed_graph_mode = mixed_graph_mode(device, ops, self.user_eager)
+            if self._mixed_graph_mode != "off":
+                sc, mc = self.vllm_config.scheduler_config, self.vllm_config.model_config
+                self._mixed = MixedGraphs(lambda st: self._final_hidden(st, self.embed_input_ids(st.input_ids))[0],
+                                          max_batch=min(sc.max_num_seqs, 512), max_context=mc.max_model_len,
+                                          window=self.cfg.sliding_window)
+        return self._mixed
 
     def _prefill_decoder_graphs(self, device: torch.device, ops: bool) -> None:
         """The decoder-layer graphs of prefill steps (``graphs.DecoderGraphs``), set on the model on the first step
