@@ -530,3 +530,111 @@ def test_stream_dtype(monkeypatch):
     monkeypatch.setenv(STREAMS_ENV, "bf16")
     with pytest.raises(ValueError, match="VLLM_DSV41_STREAMS='bf16': expected auto or fp32"):
         stream_dtype(fast)
+
+
+def _kernel_order_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """vLLM 0.32's ``rms_norm_dynamic_per_token_quant`` order of rounding (its CUDA kernel and the Python baseline in
+    ``vllm/kernels/helion/ops/rms_norm_dynamic_per_token_quant.py``): fp32 statistics, ``x * rms`` rounded to x's
+    dtype, times the weight in that dtype."""
+    return rms_norm(x.float(), None, eps).to(x.dtype) * w.to(x.dtype)
+
+
+def test_rms_norm_quant_ref_is_the_norm_then_the_token_quantisation():
+    """The fused norm + quantisation's CPU arithmetic (``rms_norm_quant_ref``): on fp32 input bitwise ``rms_norm``
+    then ``formats.quant_fp8_tokens`` (the same operations in the same order); on bf16 input bitwise the quantisation
+    of the kernel's bf16 rows (``_kernel_order_norm``), and within E4M3's rounding (half a step: 2^-4 relative) plus
+    bf16's of the fp32 norm.  An all-zero row takes the scale floor and zero codes, as the kernel."""
+    g = torch.Generator().manual_seed(11)
+    eps = 1e-6
+    x, w = torch.randn(9, 1280, generator=g) * 3, torch.rand(1280, generator=g) + 0.5
+    x[4] = 0.0
+    got = linear.rms_norm_quant_ref(x, w, eps)
+    q, s = formats.quant_fp8_tokens(rms_norm(x, w, eps))
+    assert got.dtype == torch.float32 and got.q.dtype == torch.float8_e4m3fn and got.scale.shape == (9, 1)
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, s)
+    floor = torch.tensor(formats.FP8_TOKEN_SCALE_FLOOR, dtype=torch.float32)  # the kernel's fp32 1 / (448 * 512)
+    assert got.scale[4].item() == floor.item() and not got.q[4].float().any()
+
+    xb, wb = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    got = linear.rms_norm_quant_ref(xb, wb, eps)
+    q, s = formats.quant_fp8_tokens(_kernel_order_norm(xb, wb, eps))
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.q.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got.scale, s)
+    exact = rms_norm(xb.float(), wb.float(), eps)
+    back = got.q.float() * got.scale
+    err = (back - exact).abs()
+    assert (err <= exact.abs() * (2.0 ** -4 + 2.0 ** -7) + got.scale * 2.0 ** -9).all()
+
+
+def _prequantised(T: int, g: torch.Generator) -> tuple[linear.QuantRows, torch.Tensor]:
+    """bf16 rows through the q norm both ways: (the fused route's QuantRows, the unfused route's bf16 rows)."""
+    x, w = (torch.randn(T, K_IN, generator=g) * 2).to(torch.bfloat16), (torch.rand(K_IN, generator=g) + 0.5)
+    w = w.to(torch.bfloat16)
+    return linear.rms_norm_quant_ref(x, w, 1e-6), _kernel_order_norm(x, w, 1e-6)
+
+
+def test_quant_linear_takes_prequantised_rows(monkeypatch):
+    """Under ``w8a8`` a QuantLinear given QuantRows skips its own quantisation: bitwise what it gives on the bf16 rows
+    they quantise (the unfused route, through ``w8a8_ref``), within fp32 rounding of the dequantised rows times the
+    dequantised weight (the same arithmetic in another order), row selection commutes with it, an empty pass is
+    empty, and a layer that is not an ungrouped w8a8 weight refuses them."""
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    g = torch.Generator().manual_seed(12)
+    lin, _ = _fp8_layer(1, g)
+    lin.finalize()
+    rows, normed = _prequantised(6, g)
+    got = lin(rows)
+    assert got.dtype == torch.bfloat16 and got.shape == (6, N_OUT)
+    assert torch.equal(got, lin(normed))
+    fp32 = lin(rows._replace(dtype=torch.float32))
+    deq = (rows.q.float() * rows.scale) @ (lin.w8.float() * lin.w8_scale).t()
+    assert torch.allclose(fp32, deq, rtol=1e-5, atol=1e-5 * deq.abs().max().item())
+    idx = torch.tensor([4, 0, 5])
+    assert torch.equal(lin(rows.rows(lambda t: t[idx])), got[idx])
+    assert lin(rows.rows(lambda t: t[:0])).shape == (0, N_OUT)
+    grouped, _ = _fp8_layer(4, g)
+    grouped.finalize()  # grouped: stays bf16
+    for other in (grouped, _fp8_layer(1, g)[0]):  # and an unfinalised one (dequantised per call)
+        with pytest.raises(TypeError, match="pre-quantised rows need an ungrouped w8a8 weight"):
+            other(rows)
+
+
+def test_fused_quant_switch(monkeypatch):
+    """``VLLM_DSV41_FUSED_QUANT``: on by default; the readers take QuantRows only when every one is an ungrouped w8a8
+    weight, the rows are in the fast GEMMs' dtype and the small GEMMs quantise (not ``VLLM_DSV41_SMALL_GEMM=triton``);
+    ``0`` turns it off; a misspelt value names the variable."""
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    monkeypatch.delenv(linear.FUSED_QUANT_ENV, raising=False)
+    monkeypatch.delenv(linear.SMALL_GEMM_ENV, raising=False)
+    g = torch.Generator().manual_seed(13)
+    a, b, grouped = _fp8_layer(1, g)[0], _fp8_layer(1, g)[0], _fp8_layer(4, g)[0]
+    for lin in (a, b, grouped):
+        lin.finalize()
+    bf16 = torch.bfloat16
+    assert linear.fused_quant() and linear.reads_quantised_rows([a, b], bf16)
+    assert not linear.reads_quantised_rows([a, grouped], bf16) and not linear.reads_quantised_rows([a], torch.float32)
+    monkeypatch.setenv(linear.SMALL_GEMM_ENV, "triton")
+    assert not linear.reads_quantised_rows([a], bf16)
+    monkeypatch.delenv(linear.SMALL_GEMM_ENV)
+    monkeypatch.setenv(linear.FUSED_QUANT_ENV, "0")
+    assert not linear.fused_quant() and not linear.reads_quantised_rows([a], bf16)
+    monkeypatch.setenv(linear.FUSED_QUANT_ENV, "on")
+    with pytest.raises(ValueError, match="VLLM_DSV41_FUSED_QUANT='on': expected 1 or 0"):
+        linear.fused_quant()
+
+
+def test_misspelt_fused_quant_fails_the_engine_start(tiny_ckpt, monkeypatch):
+    """``DeepseekV41ForCausalLM.__init__`` reads ``VLLM_DSV41_FUSED_QUANT`` with the other switches: a misspelt value
+    fails the engine start, before any weight is made, instead of the first forward."""
+    import types
+
+    from vllm_dsv41.config import load_config
+    from vllm_dsv41.model_executor import model
+
+    monkeypatch.setattr(model, "from_hf_config", lambda hf: load_config(tiny_ckpt))
+    monkeypatch.setenv(linear.FUSED_QUANT_ENV, "true")
+    with pytest.raises(ValueError, match="VLLM_DSV41_FUSED_QUANT='true': expected 1 or 0"):
+        vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=None))
+        model.DeepseekV41ForCausalLM(vllm_config=vllm_config)

@@ -15,7 +15,8 @@ MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their err
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
 ``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``), ``dequant``
 (its MXFP4 -> FP8 conversion under a tile sweep), ``w8a8`` / ``w8a8_grouped`` (FP8 dense GEMM paths against bf16,
-every dense shape or the grouped ``wo_a`` only),
+every dense shape or the grouped ``wo_a`` only), ``norm_quant`` (the q norm + ``wq_b`` with and without the fused
+norm-quantisation, ``VLLM_DSV41_FUSED_QUANT``),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
@@ -238,6 +239,42 @@ def section_w8a8(tokens: list[int], iters: int, grouped_only: bool = False) -> N
             del x, ref
         del sets, w, w16, wr, sr, wb, sb
         torch.cuda.empty_cache()
+
+
+def section_norm_quant(tokens: list[int], iters: int) -> None:
+    """The q norm and ``wq_b`` (N 32768, K 1280) under ``w8a8``, the two routes of ``VLLM_DSV41_FUSED_QUANT``:
+    ``fused_rms_norm`` + the GEMM's own per-token quantisation + CUTLASS (0) against vLLM's fused
+    ``rms_norm_dynamic_per_token_quant`` + CUTLASS on its rows (1); "err" is each route against the fp32 norm times
+    the exact weights."""
+    import bench_gemm as bg
+
+    from vllm_dsv41 import formats
+    from vllm_dsv41.model_executor import linear
+    from vllm_dsv41.reference.model import rms_norm
+
+    print("\nq norm + wq_b under w8a8: unfused (rms_norm, scaled_fp8_quant, cutlass) vs fused norm-quant + cutlass")
+    N, K, eps = 64 * 512, 1280, 1e-6
+    lin = bg.random_fp8_linear(N, K)
+    w = lin.dequantized().float()
+    wr, sr = formats.fp8_block_to_rows(lin.weight.data, lin.scale.data)  # as section_w8a8
+    del lin
+    copies = max(2, -(-256 * 2 ** 20 // (N * K)))
+    sets = [(wr.clone(), sr.clone()) for _ in range(copies)]
+    nw = (torch.rand(K, device="cuda") + 0.5).to(torch.bfloat16)
+    for M in tokens:
+        x = (torch.randn(M, K, device="cuda") * 3).to(torch.bfloat16)
+        ref = rms_norm(x.float(), nw.float(), eps) @ w.t()
+        paths = [("unfused", lambda s: linear.w8a8_gemm(linear.fused_rms_norm(x, nw, eps), s[0], s[1])),
+                 ("fused norm-quant", lambda s: linear.w8a8_gemm_rows(linear.fused_rms_norm_quant(x, nw, eps), s[0],
+                                                                      s[1]))]
+        for name, call in paths:
+            err = bg.rel_err(call(sets[0]), ref)
+            cycle = itertools.cycle(sets)
+            total, per = kernel_us(lambda: call(next(cycle)), iters)
+            report(f"q norm + wq_b {N}x{K} M={M} {name} err={err:.1e}", N * K, total, per)
+        del x, ref
+    del sets, w, wr, sr
+    torch.cuda.empty_cache()
 
 
 def _rowwise_torch(ops, x: torch.Tensor, wr: torch.Tensor, sr: torch.Tensor) -> torch.Tensor:
@@ -627,6 +664,8 @@ def main() -> int:
             section_dense(a.tokens, a.iters)
         elif name in ("w8a8", "w8a8_grouped"):  # w8a8_grouped: the grouped wo_a only
             section_w8a8(a.tokens + a.prefill, a.iters, grouped_only=name == "w8a8_grouped")
+        elif name == "norm_quant":
+            section_norm_quant(a.tokens, a.iters)
         elif name == "dequant":
             section_dequant(a.iters)
         elif name in ("moe_bf16", "moe_fp8"):

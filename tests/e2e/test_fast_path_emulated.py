@@ -4,13 +4,15 @@ The fast path (``WeightFormat.cuda_fast``: FP8 weights dequantised to bf16 or on
 bf16 dense weights, fused RMSNorm, bf16 queries, the fused shared expert, the grouped ``wo_a`` as one batched
 GEMM, or on Marlin as one all-rows GEMM at decode) only runs on CUDA,
 where a wiring mistake (a dtype, a shape, a host read inside a captured step) costs a GPU session.  Here the
-tiny checkpoint is served through that code with the five vLLM kernels it calls swapped for stand-ins that
+tiny checkpoint is served through that code with the six vLLM kernels it calls swapped for stand-ins that
 take and return what the kernels do (products of the dequantised weights, the clamped SwiGLU, the routed
-experts without a host read).  In bf16 (the fast path's dtypes): served eagerly and as the padded static
-decode steps that CUDA captures, under the host-read probe of ``test_padded_static_decode_steps``.  In
-fp32 (the same code with fp32 in place of bf16): every logit equals the dequantised path's to fp32
-rounding, which checks the numerics of the wiring (the grouped all-rows GEMM's diagonal, the fused
-[w1; w3] split, the shared cast).  The CUDA arithmetic itself is checked on the GPU (``tests/gpu``).
+experts without a host read, the RMSNorm fused with its FP8 quantisation).  In bf16 (the fast path's
+dtypes): served eagerly and as the padded static decode steps that CUDA captures, under the host-read probe
+of ``test_padded_static_decode_steps``.  In fp32 (the same code with fp32 in place of bf16): every logit
+equals the dequantised path's to fp32 rounding, which checks the numerics of the wiring (the grouped
+all-rows GEMM's diagonal, the fused [w1; w3] split, the shared cast).  The CUDA arithmetic itself is checked
+on the GPU (``tests/gpu``).  Under ``w8a8`` the q norm with its fused quantisation (``VLLM_DSV41_FUSED_QUANT``)
+is served both ways, to the same tokens.
 """
 
 from __future__ import annotations
@@ -69,7 +71,17 @@ def _silu_and_mul_with_clamp(out, inp, limit, *_):
     out.copy_(_silu_clamp(inp, limit))
 
 
+def _rms_norm_quant(input, weight, epsilon, quant_dtype, scale_ub=None, residual=None):
+    """vLLM's fused RMSNorm + dynamic per-token FP8 quantisation: the checks its CUDA entry makes (weight in the
+    input's dtype, rows contiguous, an E4M3 output; no bound, no residual here) and, on CPU, the unfused route's
+    arithmetic (vLLM's rms_norm, then the per-token quantisation), so that both routes serve the same numbers."""
+    assert input.dim() == 2 and input.stride(-1) == 1 and weight.dtype == input.dtype and weight.dim() == 1
+    assert quant_dtype == torch.float8_e4m3fn and scale_ub is None and residual is None
+    return formats.quant_fp8_tokens(linear.fused_rms_norm(input, weight, epsilon))
+
+
 def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
+    import vllm._custom_ops as vllm_ops
     import vllm.model_executor.layers.fused_moe.activation as act
     import vllm.model_executor.layers.fused_moe.experts.marlin_moe as moe
     import vllm.model_executor.layers.quantization.utils.marlin_utils_fp4 as fp4
@@ -83,6 +95,7 @@ def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
     monkeypatch.setattr(fp4, "prepare_moe_mxfp4_layer_for_marlin", _prepare_moe)
     monkeypatch.setattr(moe, "fused_marlin_moe", _fused_marlin_moe)
     monkeypatch.setattr(act, "silu_and_mul_with_clamp", _silu_and_mul_with_clamp)
+    monkeypatch.setattr(vllm_ops, "rms_norm_dynamic_per_token_quant", _rms_norm_quant)
     monkeypatch.setattr(linear, "MARLIN_MOE_ALIGN", (1, 1))  # the stand-in has no tiles
     for mod in (linear, model):
         monkeypatch.setattr(mod, "on_fast_device", lambda t: True)
@@ -198,3 +211,47 @@ def test_fast_path_numerics_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, moe):
     assert layout == fast_layout(gemm, moe), layout
     worst = _assert_logits_close(_RAW_LOGITS[(None, "1")], got, "emulated fast path (fp32) and dequantised path")
     print(f"emulated fast path ({gemm} dense GEMMs, {moe} MoE) in fp32 vs dequantised: largest |logit difference| {worst:.2e}")
+
+
+def test_fused_norm_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
+    """``w8a8`` with ``VLLM_DSV41_FUSED_QUANT=1`` against ``0``, served as padded static decode steps (fp32 streams, as
+    the wiring test's token check): with 1 the q norm's rows reach ``wq_b`` and the indexer's ``wq_b`` pre-quantised
+    (vLLM's fused kernel's stand-in, no host reads inside the static steps), every GEMM that took them is one that
+    quantised its own input with 0 and the indexer layers share one quantisation between two GEMMs; with 0 the
+    route is never taken; both serve the same tokens and logits (the stand-in computes the unfused arithmetic, so
+    this checks the wiring: row selection, the shared rows, the GEMM on them)."""
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setenv(linear.SMALL_GEMM_ENV, "cutlass")
+    monkeypatch.setenv("VLLM_DSV41_STREAMS", "fp32")
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
+    _emulate_fast_path(monkeypatch, torch.bfloat16)
+    calls = {}
+
+    def counted(name, fn):
+        def run(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return run
+
+    import vllm._custom_ops as vllm_ops
+
+    monkeypatch.setattr(vllm_ops, "rms_norm_dynamic_per_token_quant", counted("norm_quant", _rms_norm_quant))
+    monkeypatch.setattr(linear, "w8a8_gemm_rows", counted("gemm_on_rows", linear.w8a8_gemm_rows))
+    monkeypatch.setattr(linear, "w8a8_ref", counted("gemm_quantising", linear.w8a8_ref))
+    probe = probe_static_steps(monkeypatch)
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
+    runs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(linear.FUSED_QUANT_ENV, switch)
+        calls.update(norm_quant=0, gemm_on_rows=0, gemm_quantising=0)
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            outs = _generate(llm, prompts, logits=True)
+        runs[switch] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], dict(calls))
+    (tok0, lg0, c0), (tok1, lg1, c1) = runs["0"], runs["1"]
+    print(f"fused q norm + quantisation: {c1} against {c0}")
+    assert c0["norm_quant"] == c0["gemm_on_rows"] == 0 and c1["norm_quant"] > 0
+    assert c1["gemm_quantising"] + c1["gemm_on_rows"] == c0["gemm_quantising"]
+    assert c1["norm_quant"] < c1["gemm_on_rows"] < 2 * c1["norm_quant"]  # the indexer layers share theirs
+    assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
+    assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
+    assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))

