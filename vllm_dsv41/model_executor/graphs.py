@@ -459,8 +459,8 @@ class DecodeGraphs(_GraphSet):
 
 class MixedGraphs(DecodeGraphs):
     """Captured mixed steps (several rows for some request, at most ``window`` for any, at most
-    :data:`MAX_MIXED_ROWS` in all) keyed by (request bucket, row bucket, context bucket): the request bucket leaves
-    room for the padding request of :func:`pad_mixed_meta`.  The static step knows that no request has more than
+    :data:`MAX_MIXED_ROWS` in all) keyed by (request bucket, row bucket, context bucket): the request bucket is a
+    power of two plus the padding request of :func:`pad_mixed_meta`.  The static step knows that no request has more than
     ``window`` rows, so attention may gather keys inside it (``StaticStep.gather_bounds``).  Past
     :data:`MAX_MIXED_GRAPHS` captured keys, steps of new keys run eagerly (each keeps its activations)."""
 
@@ -481,7 +481,11 @@ class MixedGraphs(DecodeGraphs):
         return len(self.entries) < MAX_MIXED_GRAPHS or self.key(meta) in self.entries
 
     def key(self, meta: DSV41StepMetadata) -> tuple[int, ...]:
-        return _pow2_at_least(meta.num_reqs + 1), mixed_row_bucket(meta.num_tokens), self._context(meta)
+        """(a power of two >= the requests, plus the padding request; the row bucket; the context bucket).  The padding
+        request comes on top of the power of two, so a step of 64 requests shares its key with one of 48 (the batch-64
+        workload's tail step and its warm-up's, whose first requests finished early: with the padding request inside
+        the power of two they were 128 and 64, and the timed run paid a capture, session 20)."""
+        return _pow2_at_least(meta.num_reqs) + 1, mixed_row_bucket(meta.num_tokens), self._context(meta)
 
     def _padded(self, meta: DSV41StepMetadata, key: tuple[int, ...]) -> DSV41StepMetadata:
         return pad_mixed_meta(meta, key[1], key[0])
