@@ -342,6 +342,13 @@ def w8a8_gemm_rows(rows: QuantRows, w8: torch.Tensor, w_scale: torch.Tensor) -> 
     return w8a8_quantised_ref(q, rows.scale, w8, w_scale).to(rows.dtype)
 
 
+FUSED_QUANT_MAX_ROWS = 1024
+"""Passes of at most this many rows take the fused norm-quantisation (:func:`fused_quant`): its gain is a launch, which
+counts at decode sizes; at prefill sizes vLLM's fused kernel is not measured against ours (session 20's only run with
+it on in prefill had prefill_32k at 33,742 against session 19's 34,582-35,628 tok/s, not separated from noise), so those
+passes keep the measured route."""
+
+
 def reads_quantised_rows(layers: Iterable["QuantLinear"], dtype: torch.dtype) -> bool:
     """Whether activations of ``dtype`` may reach every one of ``layers`` as :class:`QuantRows`: the switch on
     (:func:`fused_quant`), the activations in the fast GEMMs' dtype (what ``w8a8_gemm`` would quantise), and each

@@ -39,7 +39,8 @@ from vllm_dsv41 import formats
 from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step, history_capacity, host_to_device
-from vllm_dsv41.model_executor.linear import (Dense, Expert, QuantLinear, WeightFormat, bf16_moe, fp8_moe,
+from vllm_dsv41.model_executor.linear import (FUSED_QUANT_MAX_ROWS, Dense, Expert, QuantLinear, WeightFormat,
+                                              bf16_moe, fp8_moe,
                                               fp8_row_exponents, fuse_rows_on_cuda, fused_quant,
                                               fused_rms_norm, fused_rms_norm_quant, log_moe_choice, loop_moe,
                                               marlin_expert_stack, marlin_moe,
@@ -473,12 +474,13 @@ class Attention(nn.Module):
                        lambda: rope_cos_sin(pos, self.inv_freq))
         return apply_rope(x, pos, self.inv_freq, cos_sin=cs)
 
-    def _q_norm_quantises(self, ops: bool, dtype: torch.dtype) -> bool:
-        """Whether the q norm quantises its rows in the same launch (``linear.fused_rms_norm_quant``, one
+    def _q_norm_quantises(self, ops: bool, dtype: torch.dtype, rows: int) -> bool:
+        """Whether the q norm quantises its ``rows`` rows in the same launch (``linear.fused_rms_norm_quant``, one
         :class:`~vllm_dsv41.model_executor.linear.QuantRows` for ``wq_b`` and, where this layer selects, the
-        indexer's ``wq_b``): on the fast path's ops, when every reader of the normalised rows there is a ``w8a8``
-        GEMM that would quantise them itself (``linear.reads_quantised_rows``).  The plain path reads bf16 rows."""
-        if not ops or self.q_dtype != dtype:  # q_dtype is None off the fast path
+        indexer's ``wq_b``): on the fast path's ops, up to ``linear.FUSED_QUANT_MAX_ROWS`` rows, when every reader of
+        the normalised rows there is a ``w8a8`` GEMM that would quantise them itself (``linear.reads_quantised_rows``).
+        The plain path reads bf16 rows."""
+        if not ops or self.q_dtype != dtype or rows > FUSED_QUANT_MAX_ROWS:  # q_dtype is None off the fast path
             return False
         readers = [self.wq_b]
         if self.plan.compress_ratio > 0 and self.plan.owns_indexer:
@@ -492,7 +494,7 @@ class Attention(nn.Module):
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
         qa, kv_raw = self._qkv_a(x, step.use_ops)
-        quantised = self._q_norm_quantises(step.use_ops, qa.dtype)
+        quantised = self._q_norm_quantises(step.use_ops, qa.dtype, qa.shape[0])
         norm = fused_rms_norm_quant if quantised else self.norm
         qr_all = norm(qa, self._q_norm_weights.get(qa.dtype, self.q_norm.weight), self.eps)
         if step.use_ops:  # norm, RoPE, MXFP8 record and write in one op
