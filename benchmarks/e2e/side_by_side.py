@@ -617,7 +617,8 @@ def render_table(recs: dict[str, dict]) -> str:
                          + (f"; capture failed: {graphs['failed'].splitlines()[0][:200]}" if graphs["failed"] else ""))
         mixed = (graphs or {}).get("mixed")
         if mixed:
-            lines.append(f"  - mixed-step CUDA graphs: {len(mixed['captured'])} captured of {len(mixed['seen'])} keys run"
+            lines.append(f"  - mixed-step CUDA graphs: {len(mixed['captured'])} captured of {len(mixed['seen'])} "
+                         "keys run"
                          + (f"; capture failed: {mixed['failed'].splitlines()[0][:200]}" if mixed["failed"] else ""))
     lines += [""] + _md_table(["metric", "builtin", "plugin", "ratio plugin/builtin", "target", "met?"],
                               table_rows(recs))

@@ -469,6 +469,24 @@ def count_touched(slots: torch.Tensor, bstep: int) -> int:
     return torch.unique(slots[slots >= 0] // bstep).numel()
 
 
+def gather_everywhere(monkeypatch) -> list[tuple[bool, int, int | None]]:
+    """Attention through the gathered-keys path (FlashMLA's route, its CPU stand-in) in every step; returns the list
+    that records each gather plan as (made inside a static step, blocks its slots touch, the plan's bound)."""
+    from vllm_dsv41.model_executor import graphs
+    from vllm_dsv41.ops import sparse_attn_gathered as sag
+
+    plans, make_plan = [], sag.gather_plan
+
+    def plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks=None):
+        plans.append((graphs.in_static_step(), count_touched(slots, bstep), max_blocks))
+        return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
+
+    monkeypatch.setattr(sag, "gather_plan", plan)
+    monkeypatch.setattr(sag, "applies", lambda q, rows: True)
+    monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
+    return plans
+
+
 class _CudaPathHostReads(_HostReads):
     """:class:`_HostReads` less the host reads that only the CPU run makes: inside the ops' CPU references (the
     ``*_ref`` functions, which CUDA replaces with Triton), the CPU expert loop (CUDA: ``matmul_ogs`` or Marlin), the
@@ -584,19 +602,11 @@ def test_prefill_decoder_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypat
     the gathered-keys path (FlashMLA's route, its CPU stand-in) in every step, the static decoder steps included,
     whose gather plans take the bucket's bounds (``StaticStep.gather_bounds``): every plan's bound holds."""
     from vllm_dsv41.model_executor import graphs
-    from vllm_dsv41.ops import sparse_attn_gathered as sag
 
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
     probe, run = (_HostReads() if attn == "sparse_attn" else _CudaPathHostReads()), graphs.DecoderGraphs.run
-    seen, plans, make_plan = [], [], sag.gather_plan
-    if attn == "gathered":
-        def plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks=None):
-            plans.append((graphs.in_static_step(), count_touched(slots, bstep), max_blocks))
-            return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
-
-        monkeypatch.setattr(sag, "gather_plan", plan)
-        monkeypatch.setattr(sag, "applies", lambda q, rows: True)
-        monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
+    seen = []
+    plans = gather_everywhere(monkeypatch) if attn == "gathered" else []
 
     def run_probed(self, meta, kept, *a, **k):
         decoder = self.run_decoder
@@ -660,20 +670,12 @@ def test_mixed_step_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch, a
     included, whose gather plans take the bucket's bounds: every plan's bound holds."""
     from vllm_dsv41.attention.backend import DSV41StepMetadata
     from vllm_dsv41.model_executor import graphs
-    from vllm_dsv41.ops import sparse_attn_gathered as sag
 
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
     monkeypatch.setenv(graphs.GRAPH_ENV, "0")
     probe = probe_static_steps(monkeypatch, _HostReads() if attn == "sparse_attn" else _CudaPathHostReads())
-    plans, make_plan, copies, seen = [], sag.gather_plan, [], []
-    if attn == "gathered":
-        def plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks=None):
-            plans.append((graphs.in_static_step(), count_touched(slots, bstep), max_blocks))
-            return make_plan(slots, bstep, rstep, rows_per_block, n_flat, max_blocks)
-
-        monkeypatch.setattr(sag, "gather_plan", plan)
-        monkeypatch.setattr(sag, "applies", lambda q, rows: True)
-        monkeypatch.setattr(sag, "flashmla_sparse_fwd", lambda: sag.sparse_fwd_ref)
+    copies, seen = [], []
+    plans = gather_everywhere(monkeypatch) if attn == "gathered" else []
     on, accepts = DSV41StepMetadata.on, graphs.MixedGraphs.accepts
 
     def on_checked(self, name, *a, **k):

@@ -461,8 +461,8 @@ class DecodeGraphs(_GraphSet):
 class MixedGraphs(DecodeGraphs):
     """Captured mixed steps (several rows for some request, at most ``window`` for any, at most
     :data:`MAX_MIXED_ROWS` in all) keyed by (request bucket, row bucket, context bucket): the request bucket is a
-    power of two plus the padding request of :func:`pad_mixed_meta`.  The static step knows that no request has more than
-    ``window`` rows, so attention may gather keys inside it (``StaticStep.gather_bounds``).  Past
+    power of two plus the padding request of :func:`pad_mixed_meta`.  The static step knows that no request has more
+    than ``window`` rows, so attention may gather keys inside it (``StaticStep.gather_bounds``).  Past
     :data:`MAX_MIXED_GRAPHS` captured keys, steps of new keys run eagerly (each keeps its activations)."""
 
     what = "mixed steps"
