@@ -431,9 +431,6 @@ class DecodeGraphs(_GraphSet):
     def _static_step(self, padded: DSV41StepMetadata, device: torch.device, key: tuple[int, ...]) -> StaticStep:
         return StaticStep(padded, device, key[-1])
 
-    def _may_capture(self) -> bool:
-        return True
-
     def run(self, meta: DSV41StepMetadata, input_ids: torch.Tensor, device: torch.device,
             capture: bool = True) -> torch.Tensor:
         """Hidden states of the step's real rows.  ``capture=False`` runs the padded static step eagerly
@@ -452,7 +449,7 @@ class DecodeGraphs(_GraphSet):
         step.load(padded, input_ids, n)
         with _static_step():
             h = self.run_model(step)  # eager: this step's answer, and the warm-up before capture
-        got = self._capture(step, lambda: self.run_model(step)) if capture and self._may_capture() else None
+        got = self._capture(step, lambda: self.run_model(step)) if capture else None
         if got is not None:
             self.entries[key] = (step, *got)
         return h[:n]
@@ -474,7 +471,8 @@ class MixedGraphs(DecodeGraphs):
 
     def accepts(self, meta: DSV41StepMetadata) -> bool:
         """Not a decode step; within the row and request bounds; no request with more than a window of rows (the
-        decoder would prune it, and the gather bounds assume at most that many); a captured key, or room for one."""
+        decoder would prune it, and the gather bounds assume at most that many); a captured key, or room for one (the
+        one place :data:`MAX_MIXED_GRAPHS` holds: a step of a new key past it runs eagerly, uncaptured)."""
         if not (meta.num_reqs < meta.num_tokens <= self.max_rows and meta.num_reqs <= self.max_batch):
             return False
         if int(meta.query_lens.max()) > self.window or not self._fits(meta):
@@ -493,9 +491,6 @@ class MixedGraphs(DecodeGraphs):
 
     def _static_step(self, padded: DSV41StepMetadata, device: torch.device, key: tuple[int, ...]) -> StaticStep:
         return StaticStep(padded, device, key[-1], rows_per_request=self.window)
-
-    def _may_capture(self) -> bool:
-        return len(self.entries) < MAX_MIXED_GRAPHS
 
 
 class DecoderGraphs(_GraphSet):

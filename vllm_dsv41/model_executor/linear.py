@@ -312,8 +312,9 @@ def rms_norm_quant_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> QuantRow
     """:func:`fused_rms_norm_quant`'s arithmetic in plain PyTorch: RMSNorm in fp32, the normalised rows and their
     product with the weight each rounded to x's dtype (where vLLM's kernel rounds them; no rounding for fp32 input),
     then :func:`formats.quant_fp8_tokens` (scale = max(amax / 448, ``FP8_TOKEN_SCALE_FLOOR``), as the kernel)."""
-    xf = x.float()
-    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w.to(x.dtype)
+    from vllm_dsv41.reference.model import rms_norm
+
+    y = rms_norm(x.float(), None, eps).to(x.dtype) * w.to(x.dtype)
     return QuantRows(*formats.quant_fp8_tokens(y), x.dtype)
 
 

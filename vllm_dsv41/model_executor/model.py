@@ -170,6 +170,7 @@ class Attention(nn.Module):
         # sparse-attention tiles fit the 64-head warp-group MMA config
         self.q_dtype = wf.dense_dtype if wf.cuda_fast else None
         self._q_norm_weights: dict[torch.dtype, torch.Tensor] = {}  # the q norm's weight in other input dtypes
+        self._q_rows_quantisable: bool | None = None  # _q_norm_quantises' weight/switch part, decided on first use
         # engine caches (not parameters): registered in vLLM's forward context by prefix
         self.swa_cache = caches.SWACache(f"{prefix}.swa_cache", D, cfg.sliding_window,
                                          bounded_replay=bounded_replay)
@@ -482,10 +483,12 @@ class Attention(nn.Module):
         The plain path reads bf16 rows."""
         if not ops or self.q_dtype != dtype or rows > FUSED_QUANT_MAX_ROWS:  # q_dtype is None off the fast path
             return False
-        readers = [self.wq_b]
-        if self.plan.compress_ratio > 0 and self.plan.owns_indexer:
-            readers.append(self.indexer.wq_b)
-        return reads_quantised_rows(readers, dtype)
+        if self._q_rows_quantisable is None:  # the readers' weights and the switches are fixed after loading
+            readers = [self.wq_b]
+            if self.plan.compress_ratio > 0 and self.plan.owns_indexer:
+                readers.append(self.indexer.wq_b)
+            self._q_rows_quantisable = reads_quantised_rows(readers, dtype)
+        return self._q_rows_quantisable
 
     def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
                 rows: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
@@ -1021,14 +1024,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         S, pre, tok = self.model(step, S)
         return rms_norm(hc_collapse(S, pre), self.norm.weight, float(cfg.rms_norm_eps)), tok
 
+    def _static_hidden(self, step: Step) -> torch.Tensor:
+        """The final hidden states of a static step's every row, from its token ids (what both graph sets capture)."""
+        return self._final_hidden(step, self.embed_input_ids(step.input_ids))[0]
+
     def _decode_graphs(self, device: torch.device, ops: bool) -> DecodeGraphs | None:
         """The decode-step graphs (``graphs.py``), made on the first step; None when off."""
         if self._graph_mode is None:
             self._graph_mode = graph_mode(device, ops, self.user_eager)
             if self._graph_mode != "off":
                 sc, mc = self.vllm_config.scheduler_config, self.vllm_config.model_config
-                self._graphs = DecodeGraphs(lambda st: self._final_hidden(st, self.embed_input_ids(st.input_ids))[0],
-                                            max_batch=min(sc.max_num_seqs, 512), max_context=mc.max_model_len)
+                self._graphs = DecodeGraphs(self._static_hidden, max_batch=min(sc.max_num_seqs, 512),
+                                            max_context=mc.max_model_len)
         return self._graphs
 
     def _mixed_graphs(self, device: torch.device, ops: bool) -> MixedGraphs | None:
@@ -1038,9 +1045,8 @@ class DeepseekV41ForCausalLM(nn.Module):
             self._mixed_graph_mode = mixed_graph_mode(device, ops, self.user_eager)
             if self._mixed_graph_mode != "off":
                 sc, mc = self.vllm_config.scheduler_config, self.vllm_config.model_config
-                self._mixed = MixedGraphs(lambda st: self._final_hidden(st, self.embed_input_ids(st.input_ids))[0],
-                                          max_batch=min(sc.max_num_seqs, 512), max_context=mc.max_model_len,
-                                          window=self.cfg.sliding_window)
+                self._mixed = MixedGraphs(self._static_hidden, max_batch=min(sc.max_num_seqs, 512),
+                                          max_context=mc.max_model_len, window=self.cfg.sliding_window)
         return self._mixed
 
     def _prefill_decoder_graphs(self, device: torch.device, ops: bool) -> None:
