@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from tests.ops.conftest import assert_close, requires_cuda
+from vllm_dsv41 import formats
 from vllm_dsv41.ops import mhc
 from vllm_dsv41.reference.model import hc_coefficients, hc_collapse, hc_post, rms_norm, sinkhorn
 
@@ -75,12 +76,16 @@ def coeffs_args(t):
 
 
 ARGS = {"pre": pre_args, "post": post_args, "post_pre": post_pre_args, "collapse": collapse_args,
-        "post_collapse": post_collapse_args, "coeffs": coeffs_args}
+        "post_collapse": post_collapse_args, "coeffs": coeffs_args, "collapse_quant": collapse_args,
+        "post_collapse_quant": post_collapse_args}
 REFS = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref,
-        "collapse": mhc.mhc_collapse_ref, "post_collapse": mhc.mhc_post_collapse_ref, "coeffs": mhc.mhc_coeffs_ref}
+        "collapse": mhc.mhc_collapse_ref, "post_collapse": mhc.mhc_post_collapse_ref, "coeffs": mhc.mhc_coeffs_ref,
+        "collapse_quant": mhc.mhc_collapse_quant_ref, "post_collapse_quant": mhc.mhc_post_collapse_quant_ref}
 OUT_NAMES = {"pre": ("x", "pre", "post", "comb"), "post": ("stream",),
              "post_pre": ("stream", "x", "pre", "post", "comb"), "collapse": ("x",), "post_collapse": ("stream", "x"),
-             "coeffs": ("pre", "post", "comb")}
+             "coeffs": ("pre", "post", "comb"), "collapse_quant": ("x", "codes", "scales"),
+             "post_collapse_quant": ("stream", "x", "codes", "scales")}
+QUANT_OPS = {"collapse_quant": "collapse", "post_collapse_quant": "post_collapse"}  # -> the op without the codes
 
 
 def model_pre(t):
@@ -193,6 +198,11 @@ INTERPRET_CASES = {
     "coeffs-T3-H96-bf16": ("coeffs", 3, 4, 96, "bfloat16", None, False),
     "coeffs-T9-H640-fp32-split40": ("coeffs", 9, 4, 640, "float32", {"block_h": 16, "split": 40}, False),
     "coeffs-T5-H96-bf16-gemm": ("coeffs", 5, 4, 96, "bfloat16", {"project": False, "block_h": 32}, False),
+    # the same collapse with x quantised per row in the normalising launch (its two passes over a row: H > BLOCK_H)
+    "collapse_quant-T3-H96-bf16": ("collapse_quant", 3, 4, 96, "bfloat16", None, False),
+    "collapse_quant-T9-H5120-bf16-split40-strided": ("collapse_quant", 9, 4, 5120, "bfloat16", {"split": 40}, True),
+    "post_collapse_quant-T5-H640-bf16-strided": ("post_collapse_quant", 5, 4, 640, "bfloat16", {"block_h": 32}, True),
+    "post_collapse_quant-T3-H96-fp32": ("post_collapse_quant", 3, 4, 96, "float32", None, False),
 }
 
 # Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even; the
@@ -218,8 +228,10 @@ for name, case in t.INTERPRET_CASES.items():
     fn = getattr(mhc, f"_mhc_{case[0]}_triton")
     got = fn(*args, config=case[5])
     # the fused ops' stream must equal mhc_post's bit for bit (same arithmetic, same order)
-    alone = mhc._mhc_post_triton(*args[:4]) if case[0] in ("post_pre", "post_collapse") else None
-    out[name] = (ref, got if isinstance(got, tuple) else (got,), alone)
+    alone = mhc._mhc_post_triton(*args[:4]) if case[0] in ("post_pre", "post_collapse", "post_collapse_quant") else None
+    # the quantising ops' x must equal the op's without the codes bit for bit
+    plain = getattr(mhc, f"_mhc_{t.QUANT_OPS[case[0]]}_triton")(*args, config=case[5]) if case[0] in t.QUANT_OPS else None
+    out[name] = (ref, got if isinstance(got, tuple) else (got,), alone, plain)
 torch.save(out, sys.argv[1])
 """
 
@@ -256,18 +268,36 @@ def interpreted(tmp_path_factory):
 
 @pytest.mark.parametrize("case", list(INTERPRET_CASES))
 def test_triton_interpreted(interpreted, case):
-    ref, got, post_alone = interpreted[case]
-    names = OUT_NAMES[INTERPRET_CASES[case][0]]
+    ref, got, post_alone, plain = interpreted[case]
+    op = INTERPRET_CASES[case][0]
+    names = OUT_NAMES[op]
     for name, a, b in zip(names, ref, got, strict=True):
         assert a.shape == b.shape and a.dtype == b.dtype, name
-        assert_close(f"{case} {name}", a, b, ratio=_ratio(a.dtype))
+        assert_close(f"{case} {name}", a, b, ratio=_ratio(a.dtype, name))
     if post_alone is not None:
         assert torch.equal(got[0], post_alone)
+    if plain is not None:
+        assert_quantised_x(case, got, plain)
 
 
-def _ratio(dtype: torch.dtype) -> float:
+def assert_quantised_x(name: str, got: tuple, plain) -> None:
+    """A ``*_quant`` op's outputs: x (and the stream) bitwise those of the op without the codes, and the codes and
+    scales bitwise ``formats.quant_fp8_tokens`` of that x (what the ``w8a8`` GEMM's own quantisation would give)."""
+    plain = plain if isinstance(plain, tuple) else (plain,)
+    n = len(plain)
+    assert all(torch.equal(a, b) for a, b in zip(got[:n], plain, strict=True)), f"{name}: x differs from the plain op"
+    codes, scales = formats.quant_fp8_tokens(got[n - 1])
+    assert torch.equal(got[n].view(torch.uint8), codes.view(torch.uint8)), f"{name}: codes differ from quant(x)"
+    assert torch.equal(got[n + 1], scales), f"{name}: scales differ from quant(x)"
+
+
+def _ratio(dtype: torch.dtype, name: str = "") -> float:
     # bf16: one output rounding (~1e-3 relative rms), plus at most one extra for x (h is parked in bf16).
     # fp32: summation order and the split fn (2^-17 per product) in the projection.
+    # The codes and scales of a quantised x follow x's last-bit differences from the reference (an E4M3 step is
+    # 2^-3 relative); assert_quantised_x holds them bitwise to the kernel's own x.
+    if name in ("codes", "scales"):
+        return 3e-2
     return 1e-2 if dtype == torch.bfloat16 else 1e-4
 
 
@@ -285,7 +315,19 @@ def test_cuda_ops_match_reference(op, T):
     got, ref = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         assert a.shape == b.shape and a.dtype == b.dtype and b.is_cuda
-        assert_close(f"mhc_{op} T={T} out{i}", a, b, ratio=_ratio(a.dtype))
+        assert_close(f"mhc_{op} T={T} out{i}", a, b, ratio=_ratio(a.dtype, OUT_NAMES[op][i]))
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 5, 64])
+@pytest.mark.parametrize("op", list(QUANT_OPS))
+def test_cuda_quantised_collapse(op, T):
+    """At serving sizes: the quantising collapse's x bitwise the plain op's, its codes and scales bitwise the per-row
+    quantisation of that x (as ``formats.quant_fp8_tokens`` computes it)."""
+    t = make_inputs(T, 4, 5120, torch.bfloat16, seed=T, device="cuda")
+    args = ARGS[op](t)
+    got = getattr(torch.ops.dsv41, f"mhc_{op}")(*args)
+    assert_quantised_x(f"mhc_{op} T={T}", got, getattr(torch.ops.dsv41, f"mhc_{QUANT_OPS[op]}")(*args))
 
 
 @requires_cuda
@@ -422,3 +464,19 @@ def _cfg_for(T: int, fuse: bool, sms: int, project: bool) -> dict:
     with mock.patch.object(mhc, "sm_count", lambda device: sms):
         dev = torch.device("cuda")
         return mhc._pre_config(T, 5120, fuse, dev) if project else mhc._collapse_config(T, 5120, fuse, dev)
+
+
+def test_quant_epilogue_builds_for_sm90():
+    """The quantising epilogue (one row a program, two passes of ``QUANT_EPILOGUE_BLOCK_H`` columns, the E4M3
+    rounding in integer arithmetic) compiles for Hopper without spills at the launch the wrapper makes for H = 5120."""
+    from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
+
+    pytest.importorskip("triton")
+    kernel = mhc._kernels().collapse_quant
+    ptr = {"part_ptr": "*fp32", "w_ptr": "*bf16", "x_ptr": "*bf16", "q_ptr": "*u8", "qs_ptr": "*fp32"}
+    floats = ("inv_h", "eps", "floor")
+    consts = {"NMIX": 24, "BLOCK_H": mhc.QUANT_EPILOGUE_BLOCK_H, "BLOCK_S": mhc.EPILOGUE_SPLITS}
+    sig = {n: ptr.get(n, "constexpr" if n in consts else "fp32" if n in floats else "i32") for n in kernel.arg_names}
+    got = sm90_build(kernel, sig, consts, num_warps=8, num_stages=1)
+    print(f"collapse quant epilogue: {got}")
+    assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got

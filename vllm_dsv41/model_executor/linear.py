@@ -115,7 +115,9 @@ def small_gemm_backend() -> str:
 def fused_quant() -> bool:
     """``VLLM_DSV41_FUSED_QUANT``: ``1`` (default) lets a norm whose every reader is a ``w8a8`` GEMM quantise its
     rows per token in the same launch (:func:`fused_rms_norm_quant`; the q norm, read by ``wq_b`` and the indexer's
-    ``wq_b``), ``0`` keeps the bf16 norm and each GEMM's own quantisation (the comparison)."""
+    ``wq_b``; and, at the split mHC boundary's decode sizes, the collapse that makes a sublayer's input x:
+    ``dsv41::mhc_collapse_quant`` for ``[wq_a; wkv]``, ``dsv41::mhc_post_collapse_quant`` for the shared expert's
+    ``[w1; w3]``), ``0`` keeps the bf16 norm and each GEMM's own quantisation (the comparison)."""
     v = os.environ.get(FUSED_QUANT_ENV, "1").strip() or "1"
     if v not in ("1", "0"):
         raise ValueError(f"{FUSED_QUANT_ENV}={v!r}: expected 1 or 0")

@@ -171,6 +171,7 @@ class Attention(nn.Module):
         self.q_dtype = wf.dense_dtype if wf.cuda_fast else None
         self._q_norm_weights: dict[torch.dtype, torch.Tensor] = {}  # the q norm's weight in other input dtypes
         self._q_rows_quantisable: bool | None = None  # _q_norm_quantises' weight/switch part, decided on first use
+        self._x_rows_quantisable: bool | None = None  # the same for the layer input (takes_quantised_input)
         # engine caches (not parameters): registered in vLLM's forward context by prefix
         self.swa_cache = caches.SWACache(f"{prefix}.swa_cache", D, cfg.sliding_window,
                                          bounded_replay=bounded_replay)
@@ -190,12 +191,23 @@ class Attention(nn.Module):
         if self.q_dtype is not None:
             self._q_norm_weights[self.q_dtype] = self.q_norm.weight.to(self.q_dtype)
 
-    def _qkv_a(self, x: torch.Tensor, ops: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def takes_quantised_input(self, dtype: torch.dtype) -> bool:
+        """Whether the layer input x of ``dtype`` may also arrive quantised per token (``QuantRows``, from the mHC
+        collapse that makes x: ``dsv41::mhc_collapse_quant``) for the fused ``[wq_a; wkv]``: a ``w8a8`` GEMM that would
+        quantise x itself (``linear.reads_quantised_rows``), x already in the query dtype (no cast before it)."""
+        if self.wqkv_a is None or dtype != self.q_dtype:
+            return False
+        if self._x_rows_quantisable is None:  # the weight and the switches are fixed after loading
+            self._x_rows_quantisable = reads_quantised_rows([self.wqkv_a], dtype)
+        return self._x_rows_quantisable
+
+    def _qkv_a(self, x: torch.Tensor, ops: bool, xq: QuantRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x @ wq_a^T, x @ wkv^T); with the fused GEMM on the ops path, in the query dtype (one cast of x,
-        none of the products: the q norm, wq_b, the indexer's queries and the SWA write all take it)."""
+        none of the products: the q norm, wq_b, the indexer's queries and the SWA write all take it); ``xq``: x
+        already quantised (:meth:`takes_quantised_input`), which the fused GEMM then reads instead."""
         if self.wqkv_a is None:
             return self.wq_a(x), self.wkv(x)
-        y = self.wqkv_a(x.to(self.q_dtype) if ops else x)
+        y = self.wqkv_a(xq if xq is not None else x.to(self.q_dtype) if ops else x)
         return y[:, : self.cfg.q_lora_rank], y[:, self.cfg.q_lora_rank:]
 
     # -- cache writes (all rows whose KV this layer produces)
@@ -491,12 +503,13 @@ class Attention(nn.Module):
         return self._q_rows_quantisable
 
     def forward(self, model: "DeepseekV41Model", step: Step, x: torch.Tensor, tok: torch.Tensor,
-                rows: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
+                rows: torch.Tensor, floors: torch.Tensor, xq: QuantRows | None = None) -> torch.Tensor:
         """x [len(tok), H] for the step tokens ``tok``; KV is written for all of them, attention output
-        is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read."""
+        is returned for ``tok[rows]`` only.  ``floors[i]``: lowest SWA position request i may read.  ``xq``: x's rows
+        quantised per token as well (:meth:`takes_quantised_input`)."""
         cfg, plan = self.cfg, self.plan
         D = cfg.head_dim
-        qa, kv_raw = self._qkv_a(x, step.use_ops)
+        qa, kv_raw = self._qkv_a(x, step.use_ops, xq)
         quantised = self._q_norm_quantises(step.use_ops, qa.dtype, qa.shape[0])
         norm = fused_rms_norm_quant if quantised else self.norm
         qr_all = norm(qa, self._q_norm_weights.get(qa.dtype, self.q_norm.weight), self.eps)
@@ -555,9 +568,10 @@ class SharedExpert(nn.Module):
     def finalize(self) -> None:
         self.w13 = fuse_rows_on_cuda(self.w1, self.w3)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
         """The clamped SwiGLU of ``swiglu_clamped`` over this expert's FP8 weights; on the fast path one
-        Marlin GEMM for [w1; w3] and vLLM's fused ``silu(min(a, L)) * clamp(b, -L, L)`` kernel."""
+        GEMM for [w1; w3] (which may take x already quantised: ``MoE.takes_quantised_input``) and vLLM's fused
+        ``silu(min(a, L)) * clamp(b, -L, L)`` kernel."""
         if self.w13 is None:
             return self.w2(clamped_swiglu_act(self.w1(x), self.w3(x), self.limit))
         from vllm.model_executor.layers.fused_moe.activation import silu_and_mul_with_clamp
@@ -596,6 +610,7 @@ class MoE(nn.Module):
         self.fp8_from = 0  # tokens from which a forward takes fp8_moe (0: never; before bf16_from)
         self.fp8_rows: tuple[torch.Tensor, ...] | None = None  # fp8_moe's per-row exponents and scales
         self.act_dtype = wf.dense_dtype  # the experts' input dtype on the fast path
+        self._x_rows_quantisable: bool | None = None  # takes_quantised_input's weight/switch part
 
     def finalize(self) -> None:
         """After loading: quantised experts on CUDA become one MXFP4 stack (Marlin's, matmul_ogs', or ours)."""
@@ -638,12 +653,26 @@ class MoE(nn.Module):
             return ogs_moe(xb, self.ogs, idx, wts, self.limit)
         return _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit)
 
-    def forward(self, x: torch.Tensor, ops: bool = False) -> torch.Tensor:
+    def takes_quantised_input(self, dtype: torch.dtype) -> bool:
+        """Whether x of ``dtype`` may also arrive quantised per token (``QuantRows``, from the mHC collapse that makes
+        it: ``dsv41::mhc_post_collapse_quant``) for the shared expert's fused ``[w1; w3]``, a ``w8a8`` GEMM that would
+        quantise x itself, with x already in the experts' dtype (no cast before it)."""
+        w13 = self.shared_experts.w13
+        if w13 is None or dtype != self.act_dtype or self.ogs is None and self.marlin is None and self.mxfp4 is None:
+            return False
+        if self._x_rows_quantisable is None:
+            self._x_rows_quantisable = reads_quantised_rows([w13], dtype)
+        return self._x_rows_quantisable
+
+    def forward(self, x: torch.Tensor, ops: bool = False, xq: QuantRows | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; ``xq``: x quantised per token as well (:meth:`takes_quantised_input`), for the shared
+        expert's first GEMM."""
         if self.marlin is not None or self.mxfp4 is not None or self.ogs is not None:
             # bf16 into both expert paths (one cast, none with bf16 streams) and out (the mHC post-mix reads it)
             xb = x.to(self.act_dtype)
+            shared_in = xq if xq is not None else xb
             # the shared expert on a side stream beside the router and the routed experts (model_executor/overlap)
-            routed, shared = beside(xb, lambda: self.shared_experts(xb), lambda: self._routed(x, xb, ops))
+            routed, shared = beside(xb, lambda: self.shared_experts(shared_in), lambda: self._routed(x, xb, ops))
             return routed + shared
         idx, wts = self._route(x, ops)
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
@@ -739,18 +768,30 @@ class DecoderLayer(nn.Module):
                        tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
         """:meth:`_forward_ops` with each boundary split (decode sizes): x from ``mhc_collapse`` /
         ``mhc_post_collapse`` (the previous boundary's pre-mix), the boundary's coefficients from ``mhc_coeffs`` on
-        the side stream while the sublayer runs; the same numbers on the reference path."""
+        the side stream while the sublayer runs; the same numbers on the reference path.  Where a sublayer's first FP8
+        GEMM takes pre-quantised rows, the collapse also quantises x per token in its normalising launch (the
+        ``*_quant`` ops: the same x, and the codes that GEMM would have made of it)."""
         ops = _ops()
         args = (self.eps, self.hc_eps, self.iters)
-        x = ops.mhc_collapse(S, pre, self.attn_norm.weight, self.eps)
+        xq = fq = None  # x quantised in the collapse's own launch, where the sublayer's FP8 GEMM takes it
+        if self.attn.takes_quantised_input(S.dtype):
+            x, *q = ops.mhc_collapse_quant(S, pre, self.attn_norm.weight, self.eps)
+            xq = QuantRows(*q, x.dtype)
+        else:
+            x = ops.mhc_collapse(S, pre, self.attn_norm.weight, self.eps)
         y, (pre_a, post_a, comb_a) = beside(
             x, lambda: ops.mhc_coeffs(S, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *args),
-            lambda: self.attn(model, step, x, tok, rows, floors), lane=1)
-        S, x = ops.mhc_post_collapse(step.take(S, rows), y, step.take(post_a, rows), step.take(comb_a, rows),
-                                     step.take(pre_a, rows), self.ffn_norm.weight, self.eps)
+            lambda: self.attn(model, step, x, tok, rows, floors, xq=xq), lane=1)
+        post_args = (step.take(S, rows), y, step.take(post_a, rows), step.take(comb_a, rows), step.take(pre_a, rows),
+                     self.ffn_norm.weight, self.eps)
+        if self.ffn.takes_quantised_input(S.dtype):
+            S, x, *q = ops.mhc_post_collapse_quant(*post_args)
+            fq = QuantRows(*q, x.dtype)
+        else:
+            S, x = ops.mhc_post_collapse(*post_args)
         f, (pre_f, post_f, comb_f) = beside(
             x, lambda: ops.mhc_coeffs(S, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *args),
-            lambda: self.ffn(x, ops=True), lane=1)
+            lambda: self.ffn(x, ops=True, xq=fq), lane=1)
         return ops.mhc_post(S, f, post_f, comb_f), pre_f
 
 

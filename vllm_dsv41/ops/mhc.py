@@ -18,6 +18,10 @@ Maths (one boundary; S is the stream [T, C, H], v = S flattened to [T, C*H] in f
 ``mhc_post_pre`` ("Mega-mHC") is the post-mix of sublayer k followed by the pre of boundary k+1; it
 writes the new stream and reuses it from registers for the projection, which saves one read of S.
 
+``mhc_collapse_quant`` / ``mhc_post_collapse_quant``: the same x and, from the launch that normalises it, x quantised
+to E4M3 per row (``formats.quant_fp8_tokens``: the quantisation a ``w8a8`` GEMM would launch on x itself), for layers
+whose every FP8 reader of x takes pre-quantised rows (``linear.QuantRows``; ``VLLM_DSV41_FUSED_QUANT``).
+
 The same boundary split in two (decode sizes, :func:`split_rows`): ``mhc_collapse`` / ``mhc_post_collapse`` give
 the new stream and x, all the sublayer needs, since x takes the previous boundary's ``pre``; ``mhc_coeffs`` gives
 this boundary's pre / post / comb, first read at its post-mix, so it runs on the side stream beside the sublayer and
@@ -84,6 +88,7 @@ from types import SimpleNamespace
 
 import torch
 
+from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
 from vllm_dsv41.ops._triton import ROW_COUNT_ARGS, interpreting, sm_count
 from vllm_dsv41.reference.model import sinkhorn
@@ -154,6 +159,21 @@ def mhc_post_collapse_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torc
     coefficients come from ``mhc_coeffs`` on the new stream."""
     new_stream = mhc_post_ref(stream, y, post_prev, comb_prev)
     return new_stream, mhc_collapse_ref(new_stream, pre_prev, norm_w, eps)
+
+
+def mhc_collapse_quant_ref(stream: torch.Tensor, pre_prev: torch.Tensor, norm_w: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`mhc_collapse_ref`'s x, and x quantised to E4M3 per row as a ``w8a8`` GEMM would quantise it
+    (:func:`formats.quant_fp8_tokens`): (x [T, H], codes [T, H] float8_e4m3fn, scales [T, 1] fp32)."""
+    x = mhc_collapse_ref(stream, pre_prev, norm_w, eps)
+    return (x, *formats.quant_fp8_tokens(x))
+
+
+def mhc_post_collapse_quant_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torch.Tensor,
+                                comb_prev: torch.Tensor, pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float):
+    """:func:`mhc_post_collapse_ref` plus x's per-row E4M3 quantisation -> (new stream, x, codes, scales)."""
+    new_stream, x = mhc_post_collapse_ref(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps)
+    return (new_stream, x, *formats.quant_fp8_tokens(x))
 
 
 # --------------------------------------------------------------------------- Triton kernels
@@ -354,6 +374,55 @@ def _mhc_pre_epilogue_kernel(
         tl.store(ptrs, (h * rx[:, None] * w[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
 
 
+def _collapse_quant_epilogue_kernel(
+    part_ptr,   # [SPLIT, T, NP] fp32 partials from _mhc_pre_kernel (column NMIX + 1: sum(h^2) of the split)
+    w_ptr,      # [H] norm weight
+    x_ptr,      # [T, H] in: unnormalised collapse h; out: RMSNorm_w(h)
+    q_ptr,      # [T, H] uint8 out: the E4M3 bytes of x / scale
+    qs_ptr,     # [T] fp32 out: the row's scale
+    T, H, SPLIT,
+    inv_h, eps, floor,
+    stride_ps, stride_pt, stride_pn,
+    stride_xt, stride_xh,
+    stride_qt, stride_qh,
+    NMIX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    # one row per program: its scale needs the amax of the whole normalised row before any code is written, so
+    # the row is normalised twice (h is re-read from L1 / L2), once for the amax, once to store x and the codes
+    t = tl.program_id(0).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    a_ssq = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, SPLIT, BLOCK_S):
+        ss = s0 + offs_s
+        a_ssq += tl.load(part_ptr + ss.to(tl.int64) * stride_ps + t * stride_pt + (NMIX + 1) * stride_pn,
+                         mask=ss < SPLIT, other=0.0)
+    rx = tl.rsqrt(tl.sum(a_ssq, axis=0) * inv_h + eps)
+    xrow = x_ptr + t * stride_xt
+    amax = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = offs_h < H
+        h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
+        y = (h * rx * w).to(x_ptr.dtype.element_ty).to(tl.float32)  # x as stored (rounded to its dtype)
+        amax = tl.maximum(amax, tl.abs(y))
+    mx = tl.max(amax, axis=0)
+    scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+    tl.store(qs_ptr + t, scale)
+    qrow = q_ptr + t * stride_qt
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask = offs_h < H
+        h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
+        y = (h * rx * w).to(x_ptr.dtype.element_ty)
+        v = tl.math.div_rn(y.to(tl.float32), tl.full([BLOCK_H], 1.0, tl.float32) * scale)
+        _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
+        code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+        tl.store(xrow + offs_h * stride_xh, y, mask=mask)
+        tl.store(qrow + offs_h * stride_qh, code.to(tl.uint8), mask=mask)
+
+
 def _mhc_post_kernel(
     s_ptr,     # [T, C, H] stream before the post-mix
     y_ptr,     # [T, H] sublayer output
@@ -399,8 +468,14 @@ def _mhc_post_kernel(
 def _kernels() -> SimpleNamespace:
     """``triton.jit`` the kernels once per process (and Triton mode: compiled or TRITON_INTERPRET=1)."""
     triton = _triton()
+    from vllm_dsv41.ops import compressor
+
+    compressor._kernels()  # its _e4m3_round becomes a JIT function, called by the quantising epilogue
+    globals()["_e4m3_round"] = compressor._e4m3_round
     rows = dict(do_not_specialize=ROW_COUNT_ARGS)
     return SimpleNamespace(pre=triton.jit(_mhc_pre_kernel, **rows),
+                           collapse_quant=triton.jit(_collapse_quant_epilogue_kernel,
+                                                     do_not_specialize=ROW_COUNT_ARGS + ("SPLIT",)),
                            # the H split count follows the row count too; the epilogue only loops over it
                            pre_epilogue=triton.jit(_mhc_pre_epilogue_kernel,
                                                    do_not_specialize=ROW_COUNT_ARGS + ("SPLIT",)),
@@ -538,6 +613,7 @@ def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int
 #: them one after the other (``EPILOGUE_SPLITS = 1``, the previous kernel) is the likely reason the epilogue took
 #: 13 µs per boundary at T=1 in the H200 decode profile; the gain of 16 per round is not profiled yet.
 EPILOGUE_SPLITS = 16
+QUANT_EPILOGUE_BLOCK_H = 2048  # columns per step of the quantising epilogue's two passes over a row
 
 
 def _partials(T: int, H: int, nmix: int, cfg: dict, dev: torch.device) -> tuple[int, int, int, torch.Tensor]:
@@ -613,9 +689,10 @@ def _collapse_config(T: int, H: int, fuse_post: bool, device: torch.device) -> d
     return dict(block_t=block_t, block_h=block_h, split=split, num_warps=4, num_stages=2)
 
 
-def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config):
+def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: bool = False):
     """``mhc_collapse`` (``post_inputs`` None) and ``mhc_post_collapse``: the pre kernel without the projection
-    (post-mix, collapse and both sums of squares), then only the epilogue's normalising columns."""
+    (post-mix, collapse and both sums of squares), then only the epilogue's normalising columns; with ``quant`` (the
+    ``*_quant`` ops) the quantising epilogue instead, one row a program -> (new stream, x, codes, scales)."""
     assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
     T, C, H = stream.shape
     assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
@@ -624,8 +701,10 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config):
     x = torch.empty(T, H, dtype=stream.dtype, device=dev)
     fuse = post_inputs is not None
     new_stream = torch.empty_like(stream) if fuse else None
+    codes = torch.empty(T, H, dtype=torch.float8_e4m3fn, device=dev) if quant else None
+    scales = torch.empty(T, 1, dtype=torch.float32, device=dev) if quant else None
     if T == 0:
-        return new_stream, x
+        return (new_stream, x, codes, scales) if quant else (new_stream, x)
     nmix = (2 + C) * C
     cfg = {**_collapse_config(T, H, fuse, dev), **(config or {})}
     block_h = cfg["block_h"]
@@ -640,6 +719,17 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config):
         FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+    if quant:
+        bh = min(_next_pow2(H), QUANT_EPILOGUE_BLOCK_H)
+        q8 = codes.view(torch.uint8)
+        k.collapse_quant[(T,)](
+            part, norm_w, x, q8, scales,
+            T, H, split,
+            1.0 / H, eps, formats.FP8_TOKEN_SCALE_FLOOR,
+            *part.stride(), *x.stride(), *q8.stride(),
+            NMIX=nmix, BLOCK_H=bh, BLOCK_S=EPILOGUE_SPLITS, num_warps=8 if bh >= 2048 else 4,
+        )
+        return new_stream, x, codes, scales
     ep_t, ep_h = 8, 512
     nhb = _cdiv(H, ep_h)
     # program columns 0 .. nhb-1 only: the coefficient column (NHB) is left to mhc_coeffs
@@ -700,6 +790,18 @@ def _mhc_post_collapse_triton(stream, y, post_prev, comb_prev, pre_prev, norm_w,
                               config: dict | None = None):
     """CUDA (or interpreter) path of ``mhc_post_collapse``: the post-mix arithmetic of ``mhc_post`` (bitwise)."""
     return _launch_collapse(stream, pre_prev, norm_w, eps, (y, post_prev, comb_prev), config)
+
+
+def _mhc_collapse_quant_triton(stream, pre_prev, norm_w, eps: float, config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_collapse_quant``: ``mhc_collapse``'s x (the same arithmetic) and its codes
+    and scales from the same launch as the normalisation."""
+    return _launch_collapse(stream, pre_prev, norm_w, eps, None, config, quant=True)[1:]
+
+
+def _mhc_post_collapse_quant_triton(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps: float,
+                                    config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_post_collapse_quant``."""
+    return _launch_collapse(stream, pre_prev, norm_w, eps, (y, post_prev, comb_prev), config, quant=True)
 
 
 def _mhc_coeffs_triton(stream, fn, base, scale, eps: float, hc_eps: float, iters: int, config: dict | None = None):
@@ -766,6 +868,16 @@ def _mhc_post_collapse_fake(stream, y, post_prev, comb_prev, pre_prev, norm_w, e
     return torch.empty_like(stream), _mhc_collapse_fake(stream, pre_prev, norm_w, eps)
 
 
+def _mhc_collapse_quant_fake(stream, pre_prev, norm_w, eps):
+    T, _, H = stream.shape
+    return (stream.new_empty(T, H), stream.new_empty(T, H, dtype=torch.float8_e4m3fn),
+            stream.new_empty(T, 1, dtype=torch.float32))
+
+
+def _mhc_post_collapse_quant_fake(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps):
+    return (torch.empty_like(stream), *_mhc_collapse_quant_fake(stream, pre_prev, norm_w, eps))
+
+
 def _mhc_coeffs_fake(stream, fn, base, scale, eps, hc_eps, iters):
     return _mhc_pre_fake(stream, fn, base, scale, None, None, eps, hc_eps, iters)[1:]
 
@@ -798,3 +910,11 @@ mhc_coeffs = define_op(
     "(Tensor stream, Tensor fn, Tensor base, Tensor scale, float eps, float hc_eps, int iters) "
     "-> (Tensor, Tensor, Tensor)",
     mhc_coeffs_ref, _mhc_coeffs_triton, _mhc_coeffs_fake)
+mhc_collapse_quant = define_op(
+    "mhc_collapse_quant", "(Tensor stream, Tensor pre_prev, Tensor norm_w, float eps) -> (Tensor, Tensor, Tensor)",
+    mhc_collapse_quant_ref, _mhc_collapse_quant_triton, _mhc_collapse_quant_fake)
+mhc_post_collapse_quant = define_op(
+    "mhc_post_collapse_quant",
+    "(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, Tensor pre_prev, Tensor norm_w, float eps) "
+    "-> (Tensor, Tensor, Tensor, Tensor)",
+    mhc_post_collapse_quant_ref, _mhc_post_collapse_quant_triton, _mhc_post_collapse_quant_fake)
