@@ -16,7 +16,8 @@ MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their err
 ``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``), ``dequant``
 (its MXFP4 -> FP8 conversion under a tile sweep), ``w8a8`` / ``w8a8_grouped`` (FP8 dense GEMM paths against bf16,
 every dense shape or the grouped ``wo_a`` only), ``norm_quant`` (the q norm + ``wq_b`` with and without the fused
-norm-quantisation, ``VLLM_DSV41_FUSED_QUANT``),
+norm-quantisation, ``VLLM_DSV41_FUSED_QUANT``), ``fused_quant`` (the collapses' and the shared expert activation's
+quantisation in their own launch against the op + vLLM's quantisation),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
@@ -274,6 +275,49 @@ def section_norm_quant(tokens: list[int], iters: int) -> None:
             report(f"q norm + wq_b {N}x{K} M={M} {name} err={err:.1e}", N * K, total, per)
         del x, ref
     del sets, w, wr, sr
+    torch.cuda.empty_cache()
+
+
+def section_fused_quant(tokens: list[int], iters: int) -> None:
+    """The activation quantisations folded into the kernels that make the activations (``VLLM_DSV41_FUSED_QUANT``):
+    ``mhc_collapse`` / ``mhc_post_collapse`` + vLLM's per-token ``scaled_fp8_quant`` against ``mhc_collapse_quant``
+    / ``mhc_post_collapse_quant``, and vLLM's ``silu_and_mul_with_clamp`` + ``scaled_fp8_quant`` against
+    ``dsv41::swiglu_quant`` (bf16, C 4, H 5120, I 2304).  MB: the bytes each route must move at least (the stream
+    read, the new stream, x, the codes)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+    from vllm import _custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.activation import silu_and_mul_with_clamp
+
+    from tests.ops import test_mhc as tm
+    from vllm_dsv41.ops import mhc, swiglu_quant  # noqa: F401  (registers the ops)
+
+    ops = torch.ops.dsv41
+    print("\nfused activation quantisation: each op + vLLM's per-token FP8 quantisation vs the quantising op")
+    H, C, inter, limit = 5120, 4, 2304, 7.0
+    for M in tokens:
+        t = tm.make_inputs(M, C, H, torch.bfloat16, seed=M, device="cuda")
+        ca, pa = tm.collapse_args(t), tm.post_collapse_args(t)
+        y = (torch.randn(M, 2 * inter, device="cuda") * 4).to(torch.bfloat16)
+        h = torch.empty(M, inter, dtype=torch.bfloat16, device="cuda")
+
+        def swiglu_then_quant():
+            silu_and_mul_with_clamp(h, y, limit)
+            return vops.scaled_fp8_quant(h, use_per_token_if_dynamic=True)
+
+        stream_b, x_b = M * C * H * 2, M * H * 2
+        cases = [("collapse + quant", lambda: vops.scaled_fp8_quant(ops.mhc_collapse(*ca), use_per_token_if_dynamic=True),
+                  stream_b + x_b + M * H),
+                 ("collapse_quant", lambda: ops.mhc_collapse_quant(*ca), stream_b + x_b + M * H),
+                 ("post_collapse + quant",
+                  lambda: vops.scaled_fp8_quant(ops.mhc_post_collapse(*pa)[1], use_per_token_if_dynamic=True),
+                  2 * stream_b + 2 * x_b + M * H),
+                 ("post_collapse_quant", lambda: ops.mhc_post_collapse_quant(*pa), 2 * stream_b + 2 * x_b + M * H),
+                 ("silu_and_mul_with_clamp + quant", swiglu_then_quant, M * inter * 7),
+                 ("swiglu_quant", lambda: ops.swiglu_quant(y, limit), M * inter * 7)]
+        for name, call, nbytes in cases:
+            total, per = kernel_us(call, iters)
+            report(f"{name} M={M}", nbytes, total, per)
+        del t, y, h
     torch.cuda.empty_cache()
 
 
@@ -666,6 +710,8 @@ def main() -> int:
             section_w8a8(a.tokens + a.prefill, a.iters, grouped_only=name == "w8a8_grouped")
         elif name == "norm_quant":
             section_norm_quant(a.tokens, a.iters)
+        elif name == "fused_quant":
+            section_fused_quant(a.tokens, a.iters)
         elif name == "dequant":
             section_dequant(a.iters)
         elif name in ("moe_bf16", "moe_fp8"):

@@ -103,6 +103,25 @@ def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
 
 
+def _count_ops(monkeypatch, calls: dict, counted: set[str]) -> None:
+    """The model's ``torch.ops.dsv41`` calls of the ops named in ``counted`` add to ``calls[name]`` (through the
+    model's ``_ops()``; the namespace's own attributes stay untouched)."""
+    from vllm_dsv41.model_executor import model as model_mod
+
+    def wrap(name, op):
+        def run(*a, **kw):
+            calls[name] += 1
+            return op(*a, **kw)
+        return run
+
+    class CountedOps:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.dsv41, name)
+            return wrap(name, op) if name in counted else op
+
+    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+
+
 def _layout(m, dtype: torch.dtype) -> dict:
     """Which fast-path pieces the served model holds."""
     attn = [layer.attn for layer in m.model.layers]
@@ -238,12 +257,13 @@ def test_fused_norm_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     monkeypatch.setattr(vllm_ops, "rms_norm_dynamic_per_token_quant", counted("norm_quant", _rms_norm_quant))
     monkeypatch.setattr(linear, "w8a8_gemm_rows", counted("gemm_on_rows", linear.w8a8_gemm_rows))
     monkeypatch.setattr(linear, "w8a8_ref", counted("gemm_quantising", linear.w8a8_ref))
+    _count_ops(monkeypatch, calls, {"swiglu_quant"})
     probe = probe_static_steps(monkeypatch)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
     runs = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(linear.FUSED_QUANT_ENV, switch)
-        calls.update(norm_quant=0, gemm_on_rows=0, gemm_quantising=0)
+        calls.update(norm_quant=0, gemm_on_rows=0, gemm_quantising=0, swiglu_quant=0)
         with engine(tiny_ckpt, exact=True, **kw) as llm:
             outs = _generate(llm, prompts, logits=True)
         runs[switch] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], dict(calls))
@@ -251,7 +271,10 @@ def test_fused_norm_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     print(f"fused q norm + quantisation: {c1} against {c0}")
     assert c0["norm_quant"] == c0["gemm_on_rows"] == 0 and c1["norm_quant"] > 0
     assert c1["gemm_quantising"] + c1["gemm_on_rows"] == c0["gemm_quantising"]
-    assert c1["norm_quant"] < c1["gemm_on_rows"] < 2 * c1["norm_quant"]  # the indexer layers share theirs
+    # the indexer layers share the q norm's rows; the shared expert's w2 takes those of dsv41::swiglu_quant (the
+    # collapses quantise nothing here: fp32 streams)
+    norm_rows = c1["gemm_on_rows"] - c1["swiglu_quant"]
+    assert c1["swiglu_quant"] > 0 and c1["norm_quant"] < norm_rows < 2 * c1["norm_quant"]
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
     assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))
@@ -261,8 +284,9 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     """``w8a8`` on bf16 streams (the fast path's default) with ``VLLM_DSV41_FUSED_QUANT=1`` against ``0``, as padded
     static decode steps: with 1 the split mHC boundary's collapses quantise x in their own launch
     (``dsv41::mhc_collapse_quant`` for ``[wq_a; wkv]``, ``dsv41::mhc_post_collapse_quant`` for the shared expert's
-    ``[w1; w3]``) at every decode step of every layer, and those GEMMs take the rows instead of quantising x
-    themselves; with 0 neither op runs.  Both serve the same tokens and bitwise the same logits (on CPU the ops are
+    ``[w1; w3]``) at every decode step of every layer, the shared expert's activation quantises h for ``w2``
+    (``dsv41::swiglu_quant``), and those GEMMs take the rows instead of quantising their input themselves; with 0
+    none of these ops runs.  Both serve the same tokens and bitwise the same logits (on CPU the ops are
     their references: the codes the GEMM would have made of the same x), and nothing reads a device value on the
     host inside the static steps."""
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
@@ -270,8 +294,6 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
     _emulate_fast_path(monkeypatch, torch.bfloat16)
-    from vllm_dsv41.model_executor import model as model_mod
-
     calls = {}
 
     def counted(name, fn):
@@ -280,12 +302,8 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
             return fn(*a, **kw)
         return run
 
-    class CountedOps:  # torch.ops.dsv41 with the collapses counted (the namespace's own attributes stay untouched)
-        def __getattr__(self, name):
-            op = getattr(torch.ops.dsv41, name)
-            return counted(name, op) if "collapse" in name else op
-
-    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+    _count_ops(monkeypatch, calls, {"mhc_collapse", "mhc_post_collapse", "mhc_collapse_quant",
+                                    "mhc_post_collapse_quant", "swiglu_quant"})
     monkeypatch.setattr(linear, "w8a8_gemm_rows", counted("gemm_on_rows", linear.w8a8_gemm_rows))
     monkeypatch.setattr(linear, "w8a8_ref", counted("gemm_quantising", linear.w8a8_ref))
     probe = probe_static_steps(monkeypatch)
@@ -294,19 +312,22 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     for switch in ("0", "1"):
         monkeypatch.setenv(linear.FUSED_QUANT_ENV, switch)
         calls.update({k: 0 for k in ("mhc_collapse", "mhc_post_collapse", "mhc_collapse_quant",
-                                     "mhc_post_collapse_quant", "gemm_on_rows", "gemm_quantising")})
+                                     "mhc_post_collapse_quant", "swiglu_quant", "gemm_on_rows", "gemm_quantising")})
         with engine(tiny_ckpt, exact=True, **kw) as llm:
             outs = _generate(llm, prompts, logits=True)
         runs[switch] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], dict(calls))
     (tok0, lg0, c0), (tok1, lg1, c1) = runs["0"], runs["1"]
     print(f"fused collapse quantisation: {c1} against {c0}")
-    assert c0["mhc_collapse_quant"] == c0["mhc_post_collapse_quant"] == 0 and c0["mhc_collapse"] > 0
+    assert c0["mhc_collapse_quant"] == c0["mhc_post_collapse_quant"] == c0["swiglu_quant"] == 0
+    assert c0["mhc_collapse"] > 0
+    # the shared expert's activation quantises h for w2 in every pass (prefill passes of <= 1,024 rows too)
+    assert c1["swiglu_quant"] >= c1["mhc_post_collapse_quant"] > 0
     assert c1["mhc_collapse"] == c1["mhc_post_collapse"] == 0  # every split boundary's readers take the rows
     assert c1["mhc_collapse_quant"] == c0["mhc_collapse"] and c1["mhc_post_collapse_quant"] == c0["mhc_post_collapse"]
     # every GEMM that took rows quantised its own input with 0; per attention collapse at least two take rows ([wq_a;
-    # wkv], and wq_b from the fused q norm), per FFN collapse one (the shared [w1; w3])
+    # wkv], and wq_b from the fused q norm), per FFN collapse one (the shared [w1; w3]), per activation one (w2)
     assert c1["gemm_quantising"] + c1["gemm_on_rows"] == c0["gemm_quantising"] and c0["gemm_on_rows"] == 0
-    assert c1["gemm_on_rows"] >= 2 * c1["mhc_collapse_quant"] + c1["mhc_post_collapse_quant"]
+    assert c1["gemm_on_rows"] >= 2 * c1["mhc_collapse_quant"] + c1["mhc_post_collapse_quant"] + c1["swiglu_quant"]
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
     assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))

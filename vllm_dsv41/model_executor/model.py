@@ -106,7 +106,7 @@ def use_ops(mode: str, device: torch.device) -> bool:
 def _ops():
     """``torch.ops.dsv41`` with every op of the package registered."""
     from vllm_dsv41.ops import (compressor, indexer, mhc, moe_mxfp4, rope, router, sparse_attn,  # noqa: F401
-                                swa_insert, topk)
+                                swa_insert, swiglu_quant, topk)
 
     return torch.ops.dsv41
 
@@ -564,6 +564,7 @@ class SharedExpert(nn.Module):
         self.w2 = QuantLinear(hidden, inter, quant)
         self.w13: QuantLinear | None = None  # [w1; w3] as one GEMM (fast CUDA path)
         self.inter, self.limit = inter, limit
+        self._h_rows_quantisable: bool | None = None  # whether w2 takes pre-quantised rows (decided on first use)
 
     def finalize(self) -> None:
         self.w13 = fuse_rows_on_cuda(self.w1, self.w3)
@@ -577,9 +578,21 @@ class SharedExpert(nn.Module):
         from vllm.model_executor.layers.fused_moe.activation import silu_and_mul_with_clamp
 
         y = self.w13(x)
+        if self._w2_takes_rows(y):  # the activation and w2's per-token quantisation in one launch
+            _, q, s = _ops().swiglu_quant(y, self.limit)
+            return self.w2(QuantRows(q, s, y.dtype))
         h = y.new_empty(y.shape[0], self.inter)
         silu_and_mul_with_clamp(h, y, self.limit)
         return self.w2(h)
+
+    def _w2_takes_rows(self, y: torch.Tensor) -> bool:
+        """Whether ``dsv41::swiglu_quant`` serves this pass: up to ``linear.FUSED_QUANT_MAX_ROWS`` rows, w2 a ``w8a8``
+        GEMM that would quantise h per token itself (``linear.reads_quantised_rows``, on h's dtype)."""
+        if y.shape[0] > FUSED_QUANT_MAX_ROWS:
+            return False
+        if self._h_rows_quantisable is None:
+            self._h_rows_quantisable = reads_quantised_rows([self.w2], y.dtype)
+        return self._h_rows_quantisable
 
 
 class Gate(nn.Module):

@@ -1,0 +1,113 @@
+"""``dsv41::swiglu_quant`` - the clamped SwiGLU of the shared expert with its output quantised to E4M3 per row.
+
+``swiglu_quant(y [T, 2I], limit) -> (h [T, I] in y's dtype, codes [T, I] float8_e4m3fn, scales [T, 1] fp32)``::
+
+    h     = silu(min(a, L)) * clamp(b, -L, L)      a = y[:, :I] (gate), b = y[:, I:] (up); fp32, rounded to y's dtype
+    codes = e4m3(h / scale), scale = max(amax(h) / 448, formats.FP8_TOKEN_SCALE_FLOOR)   (formats.quant_fp8_tokens)
+
+Why an op: on the fast path the shared expert's ``w2`` is a ``w8a8`` GEMM, which quantises its input per token in a
+launch of its own; here the activation and that quantisation are one launch (vLLM's ``silu_and_mul_with_clamp``
+and ``scaled_fp8_quant`` were two), the codes those two would make of the same h.  One program per row (I = 2,304 in
+the target): two passes over the row, the first for h's amax, the second to store h and the codes (h recomputed, not
+re-read, so no barrier between the passes).  h is returned too (the tests hold the codes to it bit for bit).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from vllm_dsv41 import formats
+from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import ROW_COUNT_ARGS
+from vllm_dsv41.reference.model import clamped_swiglu_act
+
+__all__ = ["swiglu_quant", "swiglu_quant_ref"]
+
+BLOCK_I = 1024  # columns per step of the two passes
+
+
+def _check(y: torch.Tensor) -> None:
+    if y.dim() != 2 or y.shape[1] % 2:
+        raise ValueError(f"swiglu_quant: y must be [T, 2I], got {tuple(y.shape)}")
+
+
+def swiglu_quant_ref(y: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain PyTorch: the clamped SwiGLU in fp32 rounded to y's dtype, then ``formats.quant_fp8_tokens``."""
+    _check(y)
+    n = y.shape[1] // 2
+    h = clamped_swiglu_act(y[:, :n].float(), y[:, n:].float(), limit).to(y.dtype)
+    return (h, *formats.quant_fp8_tokens(h))
+
+
+tl = None  # triton.language, bound by _kernels()
+
+
+def _swiglu_quant_kernel(y_ptr, h_ptr, q_ptr, s_ptr, T, I, limit, floor, stride_yt, stride_ht, stride_qt,
+                         BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    yrow, hrow, qrow = y_ptr + t * stride_yt, h_ptr + t * stride_ht, q_ptr + t * stride_qt
+    amax = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, I, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        m = cols < I
+        a = tl.minimum(tl.load(yrow + cols, mask=m, other=0.0).to(tl.float32), limit)
+        b = tl.minimum(tl.maximum(tl.load(yrow + I + cols, mask=m, other=0.0).to(tl.float32), -limit), limit)
+        h = (a / (1.0 + tl.exp(-a)) * b).to(h_ptr.dtype.element_ty).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(h))
+    mx = tl.max(amax, axis=0)
+    scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+    tl.store(s_ptr + t, scale)
+    for c0 in range(0, I, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        m = cols < I
+        a = tl.minimum(tl.load(yrow + cols, mask=m, other=0.0).to(tl.float32), limit)
+        b = tl.minimum(tl.maximum(tl.load(yrow + I + cols, mask=m, other=0.0).to(tl.float32), -limit), limit)
+        h = (a / (1.0 + tl.exp(-a)) * b).to(h_ptr.dtype.element_ty)
+        v = tl.math.div_rn(h.to(tl.float32), tl.full([BLOCK], 1.0, tl.float32) * scale)
+        _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
+        code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+        tl.store(hrow + cols, h, mask=m)
+        tl.store(qrow + cols, code.to(tl.uint8), mask=m)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    import triton
+    import triton.language
+
+    from vllm_dsv41.ops import compressor
+
+    compressor._kernels()  # its _e4m3_round becomes a JIT function
+    module = globals()
+    module["tl"] = triton.language
+    module["_e4m3_round"] = compressor._e4m3_round
+    module["_swiglu_quant_kernel"] = triton.jit(_swiglu_quant_kernel, do_not_specialize=ROW_COUNT_ARGS)
+    return module["_swiglu_quant_kernel"]
+
+
+def _swiglu_quant_triton(y: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check(y)
+    if y.stride(1) != 1:
+        raise ValueError("swiglu_quant (Triton): y's rows must be contiguous")
+    T, n = y.shape[0], y.shape[1] // 2
+    h = torch.empty(T, n, dtype=y.dtype, device=y.device)
+    q = torch.empty(T, n, dtype=torch.float8_e4m3fn, device=y.device)
+    s = torch.empty(T, 1, dtype=torch.float32, device=y.device)
+    if T:
+        q8 = q.view(torch.uint8)
+        block = min(BLOCK_I, 1 << max(0, (n - 1).bit_length()))
+        _kernels()[(T,)](y, h, q8, s, T, n, float(limit), formats.FP8_TOKEN_SCALE_FLOOR,
+                         y.stride(0), h.stride(0), q8.stride(0), BLOCK=block, num_warps=4)
+    return h, q, s
+
+
+def _swiglu_quant_fake(y: torch.Tensor, limit: float):
+    T, n = y.shape[0], y.shape[1] // 2
+    return (y.new_empty(T, n), y.new_empty(T, n, dtype=torch.float8_e4m3fn),
+            y.new_empty(T, 1, dtype=torch.float32))
+
+
+swiglu_quant = define_op("swiglu_quant", "(Tensor y, float limit) -> (Tensor, Tensor, Tensor)",
+                         swiglu_quant_ref, _swiglu_quant_triton, _swiglu_quant_fake)
