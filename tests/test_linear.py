@@ -625,6 +625,28 @@ def test_fused_quant_switch(monkeypatch):
         linear.fused_quant()
 
 
+def test_fused_act_quant_switch(monkeypatch):
+    """``VLLM_DSV41_FUSED_ACT_QUANT``: off by default (measured slower, session 21); ``1`` lets the activation
+    producers' readers take QuantRows (on top of the norms'), unless ``VLLM_DSV41_FUSED_QUANT=0`` turns every fused
+    quantisation off; a misspelt value names the variable."""
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    for env in (linear.FUSED_QUANT_ENV, linear.FUSED_ACT_QUANT_ENV, linear.SMALL_GEMM_ENV):
+        monkeypatch.delenv(env, raising=False)
+    a = _fp8_layer(1, torch.Generator().manual_seed(14))[0]
+    a.finalize()
+    bf16 = torch.bfloat16
+    assert not linear.fused_act_quant() and not linear.reads_quantised_rows([a], bf16, activation=True)
+    assert linear.reads_quantised_rows([a], bf16)  # the norms' fused quantisation stays on
+    monkeypatch.setenv(linear.FUSED_ACT_QUANT_ENV, "1")
+    assert linear.fused_act_quant() and linear.reads_quantised_rows([a], bf16, activation=True)
+    monkeypatch.setenv(linear.FUSED_QUANT_ENV, "0")
+    assert not linear.fused_act_quant() and not linear.reads_quantised_rows([a], bf16, activation=True)
+    monkeypatch.setenv(linear.FUSED_ACT_QUANT_ENV, "yes")
+    with pytest.raises(ValueError, match="VLLM_DSV41_FUSED_ACT_QUANT='yes': expected 1 or 0"):
+        linear.fused_act_quant()
+
+
 def test_misspelt_fused_quant_fails_the_engine_start(tiny_ckpt, monkeypatch):
     """``DeepseekV41ForCausalLM.__init__`` reads ``VLLM_DSV41_FUSED_QUANT`` with the other switches: a misspelt value
     fails the engine start, before any weight is made, instead of the first forward."""

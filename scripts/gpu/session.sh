@@ -19,7 +19,7 @@
 #   scripts/gpu/session.sh rows [ARGS]     # dsv41::fp8_rows_gemm: CUDA tests, kernel times, a timeline cutlass / triton
 #   scripts/gpu/session.sh decide [ARGS] # both: tests, kernel times, timelines base / split / split+rows
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
-#   scripts/gpu/session.sh quant           # the fused activation quantisations: CUDA tests, kernel times, fast path
+#   scripts/gpu/session.sh quant [fast]    # the fused activation quantisations: CUDA tests, kernel times (fast path)
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -176,15 +176,18 @@ case "${1:-}" in
       > "$OUT/async-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error|async scheduling" "$OUT/async-tests.log" | tail -8 ;;
   quant)
-    # the activation quantisations folded into the ops that make the activations (VLLM_DSV41_FUSED_QUANT): CUDA
-    # tests, kernel times against the unfused routes, the fast path end to end on the small checkpoint
+    # the activation quantisations folded into the ops that make the activations (VLLM_DSV41_FUSED_ACT_QUANT): CUDA
+    # tests, kernel times against the unfused routes; `quant fast` adds the fast path end to end (small checkpoint)
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_mhc.py tests/ops/test_swiglu_quant.py \
       -k cuda > "$OUT/quant-tests.log" 2>&1
     (cd benchmarks/ops && timeout 120 python3 kernel_times.py --only fused_quant --tokens 1 64) > "$OUT/quant-times.log" 2>&1
-    timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_fast_path_cuda.py > "$OUT/fast-path.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/quant-tests.log" | tail -12
     grep -vE "^(USDT|  )|Warning" "$OUT/quant-times.log" | cut -c1-200 | tail -20
-    grep -E "passed|failed|FAILED|Error|median|prompt" "$OUT/fast-path.log" | cut -c1-200 | tail -14 ;;
+    if [ "${2:-}" = fast ]; then
+      VLLM_DSV41_FUSED_ACT_QUANT=1 timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+        tests/gpu/test_fast_path_cuda.py > "$OUT/fast-path.log" 2>&1
+      grep -E "passed|failed|FAILED|Error|median|prompt" "$OUT/fast-path.log" | cut -c1-200 | tail -14
+    fi ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1

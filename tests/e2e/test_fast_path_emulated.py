@@ -271,17 +271,17 @@ def test_fused_norm_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     print(f"fused q norm + quantisation: {c1} against {c0}")
     assert c0["norm_quant"] == c0["gemm_on_rows"] == 0 and c1["norm_quant"] > 0
     assert c1["gemm_quantising"] + c1["gemm_on_rows"] == c0["gemm_quantising"]
-    # the indexer layers share the q norm's rows; the shared expert's w2 takes those of dsv41::swiglu_quant (the
-    # collapses quantise nothing here: fp32 streams)
-    norm_rows = c1["gemm_on_rows"] - c1["swiglu_quant"]
-    assert c1["swiglu_quant"] > 0 and c1["norm_quant"] < norm_rows < 2 * c1["norm_quant"]
+    # the indexer layers share the q norm's rows (the activations' own quantisations, VLLM_DSV41_FUSED_ACT_QUANT, are
+    # off by default)
+    assert c1["swiglu_quant"] == 0 and c1["norm_quant"] < c1["gemm_on_rows"] < 2 * c1["norm_quant"]
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
     assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))
 
 
 def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
-    """``w8a8`` on bf16 streams (the fast path's default) with ``VLLM_DSV41_FUSED_QUANT=1`` against ``0``, as padded
+    """``w8a8`` on bf16 streams (the fast path's default) with ``VLLM_DSV41_FUSED_ACT_QUANT=1`` and
+    ``VLLM_DSV41_FUSED_QUANT=1`` against ``0`` (which turns both off), as padded
     static decode steps: with 1 the split mHC boundary's collapses quantise x in their own launch
     (``dsv41::mhc_collapse_quant`` for ``[wq_a; wkv]``, ``dsv41::mhc_post_collapse_quant`` for the shared expert's
     ``[w1; w3]``) at every decode step of every layer, the shared expert's activation quantises h for ``w2``
@@ -291,6 +291,7 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     host inside the static steps."""
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
     monkeypatch.setenv(linear.SMALL_GEMM_ENV, "cutlass")
+    monkeypatch.setenv(linear.FUSED_ACT_QUANT_ENV, "1")
     monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
     _emulate_fast_path(monkeypatch, torch.bfloat16)

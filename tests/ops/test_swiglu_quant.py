@@ -49,9 +49,9 @@ def test_fake_impl():
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def _kernel_vs_ref(T: int, inter: int, device: str, dtype=torch.bfloat16) -> None:
+def _kernel_vs_ref(T: int, inter: int, device: str, dtype=torch.bfloat16, block: int | None = None) -> None:
     y = make_y(T, inter, dtype, device)
-    h, q, s = sq._swiglu_quant_triton(y, LIMIT)
+    h, q, s = sq._swiglu_quant_triton(y, LIMIT, block)
     rh, _, _ = sq.swiglu_quant_ref(y.cpu(), LIMIT)
     assert h.dtype == dtype and q.dtype == torch.float8_e4m3fn and s.shape == (T, 1)
     assert_close(f"swiglu_quant h T={T} I={inter} {dtype}", rh.float(), h.cpu().float(),
@@ -64,7 +64,8 @@ def _kernel_vs_ref(T: int, inter: int, device: str, dtype=torch.bfloat16) -> Non
 def _interpreter_main() -> int:
     assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Python starts"
     _kernel_vs_ref(3, 96, "cpu")
-    _kernel_vs_ref(4, 2304, "cpu")  # the target's width: three passes of BLOCK_I, the last one masked
+    _kernel_vs_ref(4, 2304, "cpu")  # the target's width, in registers (4,096 lanes, masked)
+    _kernel_vs_ref(4, 2304, "cpu", block=1024)  # the two-pass variant: three steps, the last one masked
     _kernel_vs_ref(2, 64, "cpu", torch.float32)
     return 0
 
@@ -74,17 +75,19 @@ def test_triton_interpreter():
 
 
 def test_kernel_builds_for_sm90():
-    """One row a program at the target's width: no spills on Hopper (Triton's own ptxas, no GPU)."""
+    """One row a program at the target's width (in registers) and the two-pass variant: no spills on Hopper (Triton's
+    own ptxas, no GPU)."""
     from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
 
     pytest.importorskip("triton")
     kernel = sq._kernels()
     ptr = {"y_ptr": "*bf16", "h_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32"}
-    sig = {n: ptr.get(n, "constexpr" if n == "BLOCK" else "fp32" if n in ("limit", "floor") else "i32")
+    sig = {n: ptr.get(n, "constexpr" if n in ("BLOCK", "ONE_PASS") else "fp32" if n in ("limit", "floor") else "i32")
            for n in kernel.arg_names}
-    got = sm90_build(kernel, sig, {"BLOCK": sq.BLOCK_I}, num_warps=4, num_stages=1)
-    print(f"swiglu_quant: {got}")
-    assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got
+    for block, one_pass, warps in ((4096, True, 8), (sq.BLOCK_I, False, 4)):
+        got = sm90_build(kernel, sig, {"BLOCK": block, "ONE_PASS": one_pass}, num_warps=warps, num_stages=1)
+        print(f"swiglu_quant BLOCK={block} one pass {one_pass}: {got}")
+        assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got
 
 
 @requires_cuda

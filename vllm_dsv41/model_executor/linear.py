@@ -57,6 +57,7 @@ MOE_FP8_FROM_ENV = "VLLM_DSV41_MOE_FP8_FROM"
 GROUPED_GEMM_ENV = "VLLM_DSV41_GROUPED_GEMM"
 SMALL_GEMM_ENV = "VLLM_DSV41_SMALL_GEMM"
 FUSED_QUANT_ENV = "VLLM_DSV41_FUSED_QUANT"
+FUSED_ACT_QUANT_ENV = "VLLM_DSV41_FUSED_ACT_QUANT"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
 
 
@@ -115,13 +116,29 @@ def small_gemm_backend() -> str:
 def fused_quant() -> bool:
     """``VLLM_DSV41_FUSED_QUANT``: ``1`` (default) lets a norm whose every reader is a ``w8a8`` GEMM quantise its
     rows per token in the same launch (:func:`fused_rms_norm_quant`; the q norm, read by ``wq_b`` and the indexer's
-    ``wq_b``; and, at the split mHC boundary's decode sizes, the collapse that makes a sublayer's input x:
-    ``dsv41::mhc_collapse_quant`` for ``[wq_a; wkv]``, ``dsv41::mhc_post_collapse_quant`` for the shared expert's
-    ``[w1; w3]``), ``0`` keeps the bf16 norm and each GEMM's own quantisation (the comparison)."""
+    ``wq_b``), ``0`` keeps the bf16 norm and each GEMM's own quantisation (the comparison); ``0`` also turns off
+    :func:`fused_act_quant`."""
     v = os.environ.get(FUSED_QUANT_ENV, "1").strip() or "1"
     if v not in ("1", "0"):
         raise ValueError(f"{FUSED_QUANT_ENV}={v!r}: expected 1 or 0")
     return v == "1"
+
+
+DEFAULT_FUSED_ACT_QUANT = "0"
+"""Why off (docs/benchmarks.md, session 21): the first kernels (two passes over each row in one program) took more GPU
+time than the op + vLLM's quantisation they replace, and the batch-64 decode step 0.24 ms more with them on."""
+
+
+def fused_act_quant() -> bool:
+    """``VLLM_DSV41_FUSED_ACT_QUANT`` (with :func:`fused_quant` on): ``1`` lets the ops that make a ``w8a8`` GEMM's
+    input quantise it per token in their own launch, where the pass has at most :data:`FUSED_QUANT_MAX_ROWS` rows: at
+    the split mHC boundary the collapses (``dsv41::mhc_collapse_quant`` for ``[wq_a; wkv]``,
+    ``dsv41::mhc_post_collapse_quant`` for the shared expert's ``[w1; w3]``) and the shared expert's activation
+    (``dsv41::swiglu_quant`` for ``w2``); ``0`` (default, :data:`DEFAULT_FUSED_ACT_QUANT`) leaves that to the GEMMs."""
+    v = os.environ.get(FUSED_ACT_QUANT_ENV, DEFAULT_FUSED_ACT_QUANT).strip() or DEFAULT_FUSED_ACT_QUANT
+    if v not in ("1", "0"):
+        raise ValueError(f"{FUSED_ACT_QUANT_ENV}={v!r}: expected 1 or 0")
+    return v == "1" and fused_quant()
 
 
 def moe_backend() -> str:
@@ -352,12 +369,14 @@ it on in prefill had prefill_32k at 33,742 against session 19's 34,582-35,628 to
 passes keep the measured route."""
 
 
-def reads_quantised_rows(layers: Iterable["QuantLinear"], dtype: torch.dtype) -> bool:
+def reads_quantised_rows(layers: Iterable["QuantLinear"], dtype: torch.dtype, activation: bool = False) -> bool:
     """Whether activations of ``dtype`` may reach every one of ``layers`` as :class:`QuantRows`: the switch on
-    (:func:`fused_quant`), the activations in the fast GEMMs' dtype (what ``w8a8_gemm`` would quantise), and each
+    (:func:`fused_quant`; for ``activation`` quantisations, those of the ops that make a GEMM's input, also
+    :func:`fused_act_quant`), the activations in the fast GEMMs' dtype (what ``w8a8_gemm`` would quantise), and each
     layer an ungrouped ``w8a8`` weight that would quantise them per token itself (not ``VLLM_DSV41_SMALL_GEMM=triton``,
     which reads bf16)."""
-    return (fused_quant() and dtype == FAST_GEMM_DTYPE and small_gemm_backend() == "cutlass"
+    return ((fused_act_quant() if activation else fused_quant()) and dtype == FAST_GEMM_DTYPE
+            and small_gemm_backend() == "cutlass"
             and all(lin.w8 is not None and lin.groups == 1 for lin in layers))
 
 

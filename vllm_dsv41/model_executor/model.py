@@ -41,7 +41,7 @@ from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step, history_capacity, host_to_device
 from vllm_dsv41.model_executor.linear import (FUSED_QUANT_MAX_ROWS, Dense, Expert, QuantLinear, WeightFormat,
                                               bf16_moe, fp8_moe,
-                                              fp8_row_exponents, fuse_rows_on_cuda, fused_quant,
+                                              fp8_row_exponents, fuse_rows_on_cuda, fused_act_quant, fused_quant,
                                               fused_rms_norm, fused_rms_norm_quant, log_moe_choice, loop_moe,
                                               marlin_expert_stack, marlin_moe,
                                               masked_moe, moe_backend, moe_bf16_from, moe_fp8_from, mxfp4_expert_stack,
@@ -198,7 +198,7 @@ class Attention(nn.Module):
         if self.wqkv_a is None or dtype != self.q_dtype:
             return False
         if self._x_rows_quantisable is None:  # the weight and the switches are fixed after loading
-            self._x_rows_quantisable = reads_quantised_rows([self.wqkv_a], dtype)
+            self._x_rows_quantisable = reads_quantised_rows([self.wqkv_a], dtype, activation=True)
         return self._x_rows_quantisable
 
     def _qkv_a(self, x: torch.Tensor, ops: bool, xq: QuantRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -591,7 +591,7 @@ class SharedExpert(nn.Module):
         if y.shape[0] > FUSED_QUANT_MAX_ROWS:
             return False
         if self._h_rows_quantisable is None:
-            self._h_rows_quantisable = reads_quantised_rows([self.w2], y.dtype)
+            self._h_rows_quantisable = reads_quantised_rows([self.w2], y.dtype, activation=True)
         return self._h_rows_quantisable
 
 
@@ -674,7 +674,7 @@ class MoE(nn.Module):
         if w13 is None or dtype != self.act_dtype or self.ogs is None and self.marlin is None and self.mxfp4 is None:
             return False
         if self._x_rows_quantisable is None:
-            self._x_rows_quantisable = reads_quantised_rows([w13], dtype)
+            self._x_rows_quantisable = reads_quantised_rows([w13], dtype, activation=True)
         return self._x_rows_quantisable
 
     def forward(self, x: torch.Tensor, ops: bool = False, xq: QuantRows | None = None) -> torch.Tensor:
@@ -996,6 +996,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         mhc_op.gemm_from()  # the same for VLLM_DSV41_MHC_GEMM_FROM
         mhc_op.split_rows()  # and VLLM_DSV41_MHC_SPLIT_ROWS
         fused_quant()  # and VLLM_DSV41_FUSED_QUANT
+        fused_act_quant()  # and VLLM_DSV41_FUSED_ACT_QUANT
         cfg = self.cfg
         self.weights = WeightFormat.choose(exact_mode())
         wf = self.weights

@@ -385,10 +385,12 @@ def _collapse_quant_epilogue_kernel(
     stride_ps, stride_pt, stride_pn,
     stride_xt, stride_xh,
     stride_qt, stride_qh,
-    NMIX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    NMIX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    # one row per program: its scale needs the amax of the whole normalised row before any code is written, so
-    # the row is normalised twice (h is re-read from L1 / L2), once for the amax, once to store x and the codes
+    # one row per program: its scale needs the amax of the whole normalised row before any code is written.  With
+    # ONE_PASS (BLOCK_H >= H, the wrapper's choice up to QUANT_EPILOGUE_MAX_H) the row stays in registers: one read of
+    # h and w, one write of x and the codes; wider rows take two passes (h re-read from L1 / L2, x recomputed, so no
+    # barrier between the passes)
     t = tl.program_id(0).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
     a_ssq = tl.zeros([BLOCK_S], dtype=tl.float32)
@@ -398,29 +400,46 @@ def _collapse_quant_epilogue_kernel(
                          mask=ss < SPLIT, other=0.0)
     rx = tl.rsqrt(tl.sum(a_ssq, axis=0) * inv_h + eps)
     xrow = x_ptr + t * stride_xt
-    amax = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
-        mask = offs_h < H
-        h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
-        y = (h * rx * w).to(x_ptr.dtype.element_ty).to(tl.float32)  # x as stored (rounded to its dtype)
-        amax = tl.maximum(amax, tl.abs(y))
-    mx = tl.max(amax, axis=0)
-    scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
-    tl.store(qs_ptr + t, scale)
     qrow = q_ptr + t * stride_qt
-    for h0 in range(0, H, BLOCK_H):
-        offs_h = h0 + tl.arange(0, BLOCK_H)
+    if ONE_PASS:  # BLOCK_H >= H: the row stays in registers
+        offs_h = tl.arange(0, BLOCK_H)
         mask = offs_h < H
         h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
-        y = (h * rx * w).to(x_ptr.dtype.element_ty)
-        v = tl.math.div_rn(y.to(tl.float32), tl.full([BLOCK_H], 1.0, tl.float32) * scale)
-        _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
-        code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+        y = (h * rx * w).to(x_ptr.dtype.element_ty)  # x as stored (rounded to its dtype)
+        mx = tl.max(tl.abs(y.to(tl.float32)), axis=0)
+        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+        tl.store(qs_ptr + t, scale)
+        _store_codes(qrow, offs_h * stride_qh, mask, y, scale, BLOCK_H)
         tl.store(xrow + offs_h * stride_xh, y, mask=mask)
-        tl.store(qrow + offs_h * stride_qh, code.to(tl.uint8), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask = offs_h < H
+            h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
+            y = (h * rx * w).to(x_ptr.dtype.element_ty)
+            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+        mx = tl.max(amax, axis=0)
+        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+        tl.store(qs_ptr + t, scale)
+        for h0 in range(0, H, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            mask = offs_h < H
+            h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
+            y = (h * rx * w).to(x_ptr.dtype.element_ty)
+            _store_codes(qrow, offs_h * stride_qh, mask, y, scale, BLOCK_H)
+            tl.store(xrow + offs_h * stride_xh, y, mask=mask)
+
+
+def _store_codes(qrow, offs, mask, y, scale, BLOCK: tl.constexpr):
+    # E4M3 bytes of y / scale (correctly rounded division, RNE, sign from the IEEE bit), as formats.quant_fp8_tokens
+    v = tl.math.div_rn(y.to(tl.float32), tl.full([BLOCK], 1.0, tl.float32) * scale)
+    _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
+    code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+    tl.store(qrow + offs, code.to(tl.uint8), mask=mask)
 
 
 def _mhc_post_kernel(
@@ -472,6 +491,7 @@ def _kernels() -> SimpleNamespace:
 
     compressor._kernels()  # its _e4m3_round becomes a JIT function, called by the quantising epilogue
     globals()["_e4m3_round"] = compressor._e4m3_round
+    globals()["_store_codes"] = triton.jit(_store_codes)
     rows = dict(do_not_specialize=ROW_COUNT_ARGS)
     return SimpleNamespace(pre=triton.jit(_mhc_pre_kernel, **rows),
                            collapse_quant=triton.jit(_collapse_quant_epilogue_kernel,
@@ -613,7 +633,8 @@ def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int
 #: them one after the other (``EPILOGUE_SPLITS = 1``, the previous kernel) is the likely reason the epilogue took
 #: 13 µs per boundary at T=1 in the H200 decode profile; the gain of 16 per round is not profiled yet.
 EPILOGUE_SPLITS = 16
-QUANT_EPILOGUE_BLOCK_H = 2048  # columns per step of the quantising epilogue's two passes over a row
+QUANT_EPILOGUE_MAX_H = 8192  # rows up to this width stay in registers in the quantising epilogue (one pass) ...
+QUANT_EPILOGUE_BLOCK_H = 2048  # ... wider ones take two passes of this many columns a step
 
 
 def _partials(T: int, H: int, nmix: int, cfg: dict, dev: torch.device) -> tuple[int, int, int, torch.Tensor]:
@@ -720,14 +741,14 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if quant:
-        bh = min(_next_pow2(H), QUANT_EPILOGUE_BLOCK_H)
+        bh = cfg.get("quant_block_h") or (_next_pow2(H) if H <= QUANT_EPILOGUE_MAX_H else QUANT_EPILOGUE_BLOCK_H)
         q8 = codes.view(torch.uint8)
         k.collapse_quant[(T,)](
             part, norm_w, x, q8, scales,
             T, H, split,
             1.0 / H, eps, formats.FP8_TOKEN_SCALE_FLOOR,
             *part.stride(), *x.stride(), *q8.stride(),
-            NMIX=nmix, BLOCK_H=bh, BLOCK_S=EPILOGUE_SPLITS, num_warps=8 if bh >= 2048 else 4,
+            NMIX=nmix, BLOCK_H=bh, BLOCK_S=EPILOGUE_SPLITS, ONE_PASS=bh >= H, num_warps=max(4, min(16, bh // 512)),
         )
         return new_stream, x, codes, scales
     ep_t, ep_h = 8, 512

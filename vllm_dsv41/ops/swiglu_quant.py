@@ -8,8 +8,8 @@
 Why an op: on the fast path the shared expert's ``w2`` is a ``w8a8`` GEMM, which quantises its input per token in a
 launch of its own; here the activation and that quantisation are one launch (vLLM's ``silu_and_mul_with_clamp``
 and ``scaled_fp8_quant`` were two), the codes those two would make of the same h.  One program per row (I = 2,304 in
-the target): two passes over the row, the first for h's amax, the second to store h and the codes (h recomputed, not
-re-read, so no barrier between the passes).  h is returned too (the tests hold the codes to it bit for bit).
+the target): the row held in registers, one read of y and one write of h and the codes (rows wider than
+``MAX_ONE_PASS``: two passes, h recomputed rather than re-read, so no barrier between them).  h is returned too (the tests hold the codes to it bit for bit).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from vllm_dsv41.reference.model import clamped_swiglu_act
 
 __all__ = ["swiglu_quant", "swiglu_quant_ref"]
 
-BLOCK_I = 1024  # columns per step of the two passes
+MAX_ONE_PASS = 8192  # rows up to this many columns stay in registers (one pass) ...
+BLOCK_I = 1024  # ... wider ones take two passes of this many columns a step
 
 
 def _check(y: torch.Tensor) -> None:
@@ -45,31 +46,49 @@ tl = None  # triton.language, bound by _kernels()
 
 
 def _swiglu_quant_kernel(y_ptr, h_ptr, q_ptr, s_ptr, T, I, limit, floor, stride_yt, stride_ht, stride_qt,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     yrow, hrow, qrow = y_ptr + t * stride_yt, h_ptr + t * stride_ht, q_ptr + t * stride_qt
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for c0 in range(0, I, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
+    if ONE_PASS:  # BLOCK >= I: the row stays in registers
+        cols = tl.arange(0, BLOCK)
         m = cols < I
-        a = tl.minimum(tl.load(yrow + cols, mask=m, other=0.0).to(tl.float32), limit)
-        b = tl.minimum(tl.maximum(tl.load(yrow + I + cols, mask=m, other=0.0).to(tl.float32), -limit), limit)
-        h = (a / (1.0 + tl.exp(-a)) * b).to(h_ptr.dtype.element_ty).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(h))
-    mx = tl.max(amax, axis=0)
-    scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
-    tl.store(s_ptr + t, scale)
-    for c0 in range(0, I, BLOCK):
-        cols = c0 + tl.arange(0, BLOCK)
-        m = cols < I
-        a = tl.minimum(tl.load(yrow + cols, mask=m, other=0.0).to(tl.float32), limit)
-        b = tl.minimum(tl.maximum(tl.load(yrow + I + cols, mask=m, other=0.0).to(tl.float32), -limit), limit)
-        h = (a / (1.0 + tl.exp(-a)) * b).to(h_ptr.dtype.element_ty)
-        v = tl.math.div_rn(h.to(tl.float32), tl.full([BLOCK], 1.0, tl.float32) * scale)
-        _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
-        code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+        h = _act(yrow, cols, m, I, limit).to(h_ptr.dtype.element_ty)
+        mx = tl.max(tl.abs(h.to(tl.float32)), axis=0)
+        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+        tl.store(s_ptr + t, scale)
+        _codes_out(qrow, cols, m, h, scale, BLOCK)
         tl.store(hrow + cols, h, mask=m)
-        tl.store(qrow + cols, code.to(tl.uint8), mask=m)
+    else:  # two passes: the amax, then h recomputed (not re-read: no barrier) with its codes
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, I, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < I
+            h = _act(yrow, cols, m, I, limit).to(h_ptr.dtype.element_ty)
+            amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
+        mx = tl.max(amax, axis=0)
+        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+        tl.store(s_ptr + t, scale)
+        for c0 in range(0, I, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            m = cols < I
+            h = _act(yrow, cols, m, I, limit).to(h_ptr.dtype.element_ty)
+            _codes_out(qrow, cols, m, h, scale, BLOCK)
+            tl.store(hrow + cols, h, mask=m)
+
+
+def _act(yrow, cols, m, I, limit):
+    # silu(min(a, L)) * clamp(b, -L, L) in fp32 for gate a = y[:I], up b = y[I:]
+    a = tl.minimum(tl.load(yrow + cols, mask=m, other=0.0).to(tl.float32), limit)
+    b = tl.minimum(tl.maximum(tl.load(yrow + I + cols, mask=m, other=0.0).to(tl.float32), -limit), limit)
+    return a / (1.0 + tl.exp(-a)) * b
+
+
+def _codes_out(qrow, cols, m, h, scale, BLOCK: tl.constexpr):
+    # E4M3 bytes of h / scale: correctly rounded division, RNE, the sign from the IEEE bit (formats.quant_fp8_tokens)
+    v = tl.math.div_rn(h.to(tl.float32), tl.full([BLOCK], 1.0, tl.float32) * scale)
+    _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
+    code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+    tl.store(qrow + cols, code.to(tl.uint8), mask=m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,11 +102,16 @@ def _kernels():
     module = globals()
     module["tl"] = triton.language
     module["_e4m3_round"] = compressor._e4m3_round
+    module["_act"] = triton.jit(_act)
+    module["_codes_out"] = triton.jit(_codes_out)
     module["_swiglu_quant_kernel"] = triton.jit(_swiglu_quant_kernel, do_not_specialize=ROW_COUNT_ARGS)
     return module["_swiglu_quant_kernel"]
 
 
-def _swiglu_quant_triton(y: torch.Tensor, limit: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _swiglu_quant_triton(y: torch.Tensor, limit: float, block: int | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The launch: one row a program, the row in registers up to :data:`MAX_ONE_PASS` columns (``block`` forces a
+    width, the tests' two-pass case)."""
     _check(y)
     if y.stride(1) != 1:
         raise ValueError("swiglu_quant (Triton): y's rows must be contiguous")
@@ -97,9 +121,11 @@ def _swiglu_quant_triton(y: torch.Tensor, limit: float) -> tuple[torch.Tensor, t
     s = torch.empty(T, 1, dtype=torch.float32, device=y.device)
     if T:
         q8 = q.view(torch.uint8)
-        block = min(BLOCK_I, 1 << max(0, (n - 1).bit_length()))
+        pow2 = 1 << max(0, (n - 1).bit_length())
+        block = block or (pow2 if pow2 <= MAX_ONE_PASS else BLOCK_I)
         _kernels()[(T,)](y, h, q8, s, T, n, float(limit), formats.FP8_TOKEN_SCALE_FLOOR,
-                         y.stride(0), h.stride(0), q8.stride(0), BLOCK=block, num_warps=4)
+                         y.stride(0), h.stride(0), q8.stride(0), BLOCK=block, ONE_PASS=block >= n,
+                         num_warps=max(4, min(16, block // 512)))
     return h, q, s
 
 
