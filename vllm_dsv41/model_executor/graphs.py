@@ -31,11 +31,12 @@ ran with them and the batch-64 workload gained (docs/benchmarks.md, sessions 16 
 
 And :class:`MixedGraphs`: whole steps in which some request brings several rows but none more than
 ``sliding_window`` (so nothing is pruned): the last chunk of a prompt beside decode rows, short prompts, multi-row
-verify steps.  Such a step is as host-bound as a decode step (session 19: the batch-64 workload's 157-row tail step
-took 253-276 ms of host time for 47-67 ms of GPU work), so it is padded to a (request bucket, row bucket, context
+verify steps.  Such a step looked as host-bound as a decode step (session 19: the batch-64 workload's 157-row tail
+step took 253-276 ms of host time for 47-67 ms of GPU work), so it is padded to a (request bucket, row bucket, context
 bucket) key and captured like one (:func:`pad_mixed_meta`: the padded rows belong to one padding request that
-writes nothing).  ``VLLM_DSV41_MIXED_GRAPHS``: ``0`` (the default: off until measured in steady state, see
-docs/design.md), ``auto`` / ``1`` (capture on CUDA with the ops path) or ``static``, as above.
+writes nothing).  ``VLLM_DSV41_MIXED_GRAPHS``: ``0`` (the default: measured slower in steady state, session 21: that
+tail step's host time did not fall, see docs/design.md), ``auto`` / ``1`` (capture on CUDA with the ops path) or
+``static``, as above.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ def prefill_graph_mode(device: torch.device, use_ops: bool, eager: bool = False)
 
 
 def mixed_graph_mode(device: torch.device, use_ops: bool, eager: bool = False) -> str:
-    """``capture``, ``static`` or ``off`` for the mixed steps (``VLLM_DSV41_MIXED_GRAPHS``: ``0`` by default until
-    measured in steady state, ``auto`` / ``1`` (capture where it can), or ``static``; see the module docstring)."""
+    """``capture``, ``static`` or ``off`` for the mixed steps (``VLLM_DSV41_MIXED_GRAPHS``: ``0`` by default (measured
+    slower, session 21), ``auto`` / ``1`` (capture where it can), or ``static``; see the module docstring)."""
     return _env_mode(MIXED_GRAPH_ENV, "0", ("auto", "1", "true", "on", "yes"), "auto, 0, 1 or static", device,
                      use_ops, eager)
 
