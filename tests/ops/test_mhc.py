@@ -198,13 +198,12 @@ INTERPRET_CASES = {
     "coeffs-T3-H96-bf16": ("coeffs", 3, 4, 96, "bfloat16", None, False),
     "coeffs-T9-H640-fp32-split40": ("coeffs", 9, 4, 640, "float32", {"block_h": 16, "split": 40}, False),
     "coeffs-T5-H96-bf16-gemm": ("coeffs", 5, 4, 96, "bfloat16", {"project": False, "block_h": 32}, False),
-    # the same collapse with x quantised per row in the normalising launch (the row in registers)
+    # the same collapse with x quantised per row in the normalising launch (each split's max |h * w| from the pre
+    # kernel; 40 splits: three rounds of the epilogue's reads)
     "collapse_quant-T3-H96-bf16": ("collapse_quant", 3, 4, 96, "bfloat16", None, False),
     "collapse_quant-T9-H5120-bf16-split40-strided": ("collapse_quant", 9, 4, 5120, "bfloat16", {"split": 40}, True),
     "post_collapse_quant-T5-H640-bf16-strided": ("post_collapse_quant", 5, 4, 640, "bfloat16", {"block_h": 32}, True),
     "post_collapse_quant-T3-H96-fp32": ("post_collapse_quant", 3, 4, 96, "float32", None, False),
-    # the two-pass epilogue of rows wider than QUANT_EPILOGUE_MAX_H, forced at a small width (last step masked)
-    "collapse_quant-T5-H640-bf16-two-pass": ("collapse_quant", 5, 4, 640, "bfloat16", {"quant_block_h": 256}, False),
 }
 
 # Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even; the
@@ -283,18 +282,23 @@ def test_triton_interpreted(interpreted, case):
 
 
 def assert_quantised_x(name: str, got: tuple, plain) -> None:
-    """A ``*_quant`` op's outputs: the stream bitwise that of the op without the codes and x to its last bit (the
-    epilogues sum the partial sums of squares in other trees: rsqrt may differ by an ulp), and the codes and scales
-    bitwise ``formats.quant_fp8_tokens`` of the op's own x, computed on CPU (correctly rounded division; CUDA's
-    division by a scalar multiplies by its reciprocal)."""
+    """A ``*_quant`` op's outputs: the stream and x bitwise those of the op without the codes (the same kernels), and
+    the codes and scales those of ``formats.quant_fp8_tokens`` on that x, computed on CPU (correctly rounded division;
+    CUDA's division by a scalar multiplies by its reciprocal): bitwise for every row whose scale came out equal, which
+    is every row but where the fp32 products behind the row's amax straddle a rounding point of x's dtype (then the
+    scale is one ulp of x's dtype apart, and the codes are that scale's, each within one E4M3 step of x)."""
     plain = plain if isinstance(plain, tuple) else (plain,)
     n = len(plain)
-    assert all(torch.equal(a, b) for a, b in zip(got[:n - 1], plain[:-1], strict=True)), f"{name}: stream differs"
-    x, x_plain = got[n - 1].float(), plain[-1].float()
-    assert ((x - x_plain).abs() <= x_plain.abs() * 2.0 ** -7).all(), f"{name}: x differs from the plain op's"
-    codes, scales = formats.quant_fp8_tokens(got[n - 1].cpu())
-    assert torch.equal(got[n].cpu().view(torch.uint8), codes.view(torch.uint8)), f"{name}: codes differ from quant(x)"
-    assert torch.equal(got[n + 1].cpu(), scales), f"{name}: scales differ from quant(x)"
+    assert all(torch.equal(a, b) for a, b in zip(got[:n], plain, strict=True)), f"{name}: x differs from the plain op"
+    x = got[n - 1].cpu()
+    codes, scales = formats.quant_fp8_tokens(x)
+    q, s = got[n].cpu(), got[n + 1].cpu()
+    same = (s == scales).squeeze(1)
+    assert int((~same).sum()) <= max(1, same.numel() // 10), f"{name}: {int((~same).sum())} of {same.numel()} rows' scales differ"
+    assert ((s - scales).abs() <= scales * 2.0 ** -7).all(), f"{name}: scales more than an ulp of x's dtype apart"
+    assert torch.equal(q[same].view(torch.uint8), codes[same].view(torch.uint8)), f"{name}: codes differ from quant(x)"
+    back = q.float() * s
+    assert ((back - x.float()).abs() <= x.float().abs() * 2.0 ** -3 + s * 2.0 ** -9).all(), f"{name}: codes off x"
 
 
 def _ratio(dtype: torch.dtype, name: str = "") -> float:
@@ -452,7 +456,8 @@ def test_split_boundary_kernels_build_for_sm90(kind, T):
     cfg = _cfg_for(T, fuse, sms, project=kind == "coeffs")
     C, nmix = 4, 24
     ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
-           "snew_ptr": "*bf16", "fn_ptr": "*fp32", "pre_prev_ptr": "*fp32", "h_ptr": "*bf16", "part_ptr": "*fp32"}
+           "snew_ptr": "*bf16", "fn_ptr": "*fp32", "pre_prev_ptr": "*fp32", "h_ptr": "*bf16", "part_ptr": "*fp32",
+           "w_ptr": "*bf16"}
     consts = {"C": C, "NMIX": nmix, "NP": 32, "BLOCK_T": cfg["block_t"], "BLOCK_H": cfg["block_h"], "FUSE_POST": fuse,
               "BF16_SPLIT": True, "BF16_MMA": True, "PROJECT": kind == "coeffs", "COLLAPSE": kind != "coeffs"}
     sig = {n: ptr.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
@@ -472,20 +477,31 @@ def _cfg_for(T: int, fuse: bool, sms: int, project: bool) -> dict:
         return mhc._pre_config(T, 5120, fuse, dev) if project else mhc._collapse_config(T, 5120, fuse, dev)
 
 
-def test_quant_epilogue_builds_for_sm90():
-    """The quantising epilogue (one row a program, the E4M3 rounding in integer arithmetic) compiles for Hopper
-    without spills at the launches the wrapper makes: H = 5120 in registers (one pass, 16 warps), and the two-pass
-    variant of wider rows."""
+def test_quantising_collapse_builds_for_sm90():
+    """The quantising collapse's two kernels at the launch parameters the wrapper takes at decode sizes, bf16 streams:
+    the pre kernel with each split's max |h * w| (AMAX) and the epilogue's normalising columns with the codes (QUANT,
+    the E4M3 rounding in integer arithmetic) compile for Hopper without spills (Triton's own ptxas, no GPU)."""
     from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
 
     pytest.importorskip("triton")
-    kernel = mhc._kernels().collapse_quant
-    ptr = {"part_ptr": "*fp32", "w_ptr": "*bf16", "x_ptr": "*bf16", "q_ptr": "*u8", "qs_ptr": "*fp32"}
-    floats = ("inv_h", "eps", "floor")
-    for block_h, one_pass, warps in ((8192, True, 16), (mhc.QUANT_EPILOGUE_BLOCK_H, False, 4)):
-        consts = {"NMIX": 24, "BLOCK_H": block_h, "BLOCK_S": mhc.EPILOGUE_SPLITS, "ONE_PASS": one_pass}
-        sig = {n: ptr.get(n, "constexpr" if n in consts else "fp32" if n in floats else "i32")
-               for n in kernel.arg_names}
-        got = sm90_build(kernel, sig, consts, num_warps=warps, num_stages=1)
-        print(f"collapse quant epilogue BLOCK_H={block_h} one pass {one_pass}: {got}")
+    k = mhc._kernels()
+    floats = ("inv_ch", "inv_h", "eps", "hc_eps", "floor")
+    ptr = {"part_ptr": "*fp32", "base_ptr": "*fp32", "scale_ptr": "*fp32", "w_ptr": "*bf16", "x_ptr": "*bf16",
+           "pre_ptr": "*fp32", "post_ptr": "*fp32", "comb_ptr": "*fp32", "q_ptr": "*u8", "qs_ptr": "*fp32"}
+    consts = {"C": 4, "NMIX": 24, "BLOCK_T": 8, "BLOCK_H": 512, "BLOCK_S": mhc.EPILOGUE_SPLITS, "QUANT": True}
+    sig = {n: ptr.get(n, "constexpr" if n in consts else "fp32" if n in floats else "i32")
+           for n in k.pre_epilogue.arg_names}
+    got = sm90_build(k.pre_epilogue, sig, consts, num_warps=4, num_stages=1)
+    print(f"epilogue with QUANT: {got}")
+    assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got
+    for fuse in (False, True):
+        cfg = _cfg_for(64, fuse, 132, project=False)
+        pre_ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
+                   "snew_ptr": "*bf16", "fn_ptr": "*fp32", "pre_prev_ptr": "*fp32", "h_ptr": "*bf16",
+                   "part_ptr": "*fp32", "w_ptr": "*bf16"}
+        pc = {"C": 4, "NMIX": 24, "NP": 32, "BLOCK_T": cfg["block_t"], "BLOCK_H": cfg["block_h"], "FUSE_POST": fuse,
+              "BF16_SPLIT": False, "BF16_MMA": False, "PROJECT": False, "COLLAPSE": True, "AMAX": True}
+        psig = {n: pre_ptr.get(n, "constexpr" if n in pc else "i32") for n in k.pre.arg_names}
+        got = sm90_build(k.pre, psig, pc, cfg["num_warps"], cfg["num_stages"])
+        print(f"pre kernel with AMAX, post-mix {fuse}: {got}")
         assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got

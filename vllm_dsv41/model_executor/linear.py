@@ -125,8 +125,9 @@ def fused_quant() -> bool:
 
 
 DEFAULT_FUSED_ACT_QUANT = "0"
-"""Why off (docs/benchmarks.md, session 21): the first kernels (two passes over each row in one program) took more GPU
-time than the op + vLLM's quantisation they replace, and the batch-64 decode step 0.24 ms more with them on."""
+"""Why off (docs/benchmarks.md, session 21): the first kernels (one program a row) took more GPU time than the op +
+vLLM's quantisation they replace, and the batch-64 decode step 0.24 ms more with them on; the collapses' codes from
+their normalising epilogue (built after that run) are not yet measured."""
 
 
 def fused_act_quant() -> bool:

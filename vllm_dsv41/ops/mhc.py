@@ -52,6 +52,11 @@ Kernel design (CUDA, Triton):
   after the last round: the sm_90 build of a tree sum per round had 10 barriers in each round).
   The last program column computes the sigmoids and the Sinkhorn for its tokens in registers
   ([BLOCK_T, C, C]); the others scale their slice of x by rsqrt(mean(h^2) + eps) * w in place.
+* The ``*_quant`` collapses: the pre kernel also keeps each split's max |h * w| (``AMAX``, partial column NMIX+2);
+  normalising multiplies a row by rx = rsqrt(mean(h^2) + eps) > 0, so x's amax is rx times the splits' maximum
+  (rounded to x's dtype, as x is: equal to x's own amax but where the fp32 products straddle a rounding point of that
+  dtype), and each normalising program writes its block's E4M3 codes beside x (``QUANT``; scale = max(amax / 448,
+  floor), integer RNE on a correctly rounded division, as ``formats.quant_fp8_tokens``).
 * Why two kernels: x needs mean(h^2) over all of H before any element can be written, while the
   projection needs many tokens per program to reuse fn (2 MB fp32 at C=4, H=5120): at small T one token
   block is split over ~100+ programs to read fn and S at full bandwidth; at T=8192, 64-token blocks make
@@ -188,7 +193,9 @@ def _mhc_pre_kernel(
     fn_ptr,         # [NMIX, C*H] fp32, column j*H + h multiplies S[:, j, h]
     pre_prev_ptr,   # [T, C]    fp32 carried pre-mix
     h_ptr,          # [T, H]    out: sum_j pre_prev[j] * S[j], unnormalised (x's buffer)
-    part_ptr,       # [SPLIT, T, NP] out: fp32 partial projection; column NMIX = sum v^2, NMIX+1 = sum h^2
+    part_ptr,       # [SPLIT, T, NP] out: fp32 partial projection; column NMIX = sum v^2, NMIX+1 = sum h^2,
+                    # NMIX+2 = max |h * w| (AMAX only)
+    w_ptr,          # [H]       norm weight (AMAX only)
     T, H, HS,       # tokens, hidden size, H covered by one split (a multiple of BLOCK_H)
     stride_st, stride_sc, stride_sh,
     stride_yt, stride_yh,
@@ -202,7 +209,7 @@ def _mhc_pre_kernel(
     C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, PROJECT: tl.constexpr,
-    COLLAPSE: tl.constexpr = True,
+    COLLAPSE: tl.constexpr = True, AMAX: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -230,6 +237,7 @@ def _mhc_pre_kernel(
     acc = tl.zeros([BLOCK_T, NP], dtype=tl.float32)
     ssq_v = tl.zeros([BLOCK_T], dtype=tl.float32)
     ssq_h = tl.zeros([BLOCK_T], dtype=tl.float32)
+    amax_hw = tl.zeros([BLOCK_T], dtype=tl.float32)
     for k in range(0, HS, BLOCK_H):
         h0 = pid_s * HS + k
         offs_h = h0 + tl.arange(0, BLOCK_H)
@@ -282,11 +290,16 @@ def _mhc_pre_kernel(
                 h += pp_j[:, None] * s_j
         if COLLAPSE:
             ssq_h += tl.sum(h * h, axis=1)
-            tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_h[None, :] * stride_hh,
-                     h.to(h_ptr.dtype.element_ty), mask=mask_th)
+            h_parked = h.to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + offs_t[:, None] * stride_ht + offs_h[None, :] * stride_hh, h_parked, mask=mask_th)
+            if AMAX:  # the row's amax after normalisation is rsqrt(mean h^2) (> 0) times max |h * w|
+                w = tl.load(w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+                amax_hw = tl.maximum(amax_hw, tl.max(tl.abs(h_parked.to(tl.float32) * w[None, :]), axis=1))
 
     acc = tl.where(offs_n[None, :] == NMIX, ssq_v[:, None], acc)
     acc = tl.where(offs_n[None, :] == NMIX + 1, ssq_h[:, None], acc)
+    if AMAX:
+        acc = tl.where(offs_n[None, :] == NMIX + 2, amax_hw[:, None], acc)
     tl.store(part_ptr + offs_t[:, None] * stride_pt + offs_n[None, :] * stride_pn, acc, mask=mask_t[:, None])
 
 
@@ -299,15 +312,18 @@ def _mhc_pre_epilogue_kernel(
     pre_ptr,    # [T, C] out fp32
     post_ptr,   # [T, C] out fp32
     comb_ptr,   # [T, C, C] out fp32
+    q_ptr,      # [T, H] uint8 out: E4M3 bytes of x / scale (QUANT only)
+    qs_ptr,     # [T] fp32 out: x's per-row scale (QUANT only)
     T, H, SPLIT, NHB,            # NHB: H blocks; program column NHB computes the coefficients
-    inv_ch, inv_h, eps, hc_eps, iters,
+    inv_ch, inv_h, eps, hc_eps, iters, floor,
     stride_ps, stride_pt, stride_pn,
     stride_xt, stride_xh,
     stride_pret, stride_prec,
     stride_pot, stride_poc,
     stride_ct, stride_ci, stride_cj,
+    stride_qt, stride_qh,
     C: tl.constexpr, NMIX: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
@@ -359,11 +375,14 @@ def _mhc_pre_epilogue_kernel(
                  + offs_c[None, None, :] * stride_cj, a, mask=mask_t[:, None, None])
     else:
         a_ssq = tl.zeros([BLOCK_S, BLOCK_T], dtype=tl.float32)
+        a_max = tl.zeros([BLOCK_S, BLOCK_T], dtype=tl.float32)
         for s0 in range(0, SPLIT, BLOCK_S):
             ss = s0 + offs_s
             r = row[None, :] + ss.to(tl.int64)[:, None] * stride_ps
             m2 = (ss < SPLIT)[:, None] & mask_t[None, :]
             a_ssq += tl.load(r + (NMIX + 1) * stride_pn, mask=m2, other=0.0)
+            if QUANT:
+                a_max = tl.maximum(a_max, tl.load(r + (NMIX + 2) * stride_pn, mask=m2, other=0.0))
         rx = tl.rsqrt(tl.sum(a_ssq, axis=0) * inv_h + eps)
         offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
         mask_h = offs_h < H
@@ -371,75 +390,19 @@ def _mhc_pre_epilogue_kernel(
         ptrs = x_ptr + offs_t[:, None] * stride_xt + offs_h[None, :] * stride_xh
         h = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-        tl.store(ptrs, (h * rx[:, None] * w[None, :]).to(x_ptr.dtype.element_ty), mask=mask)
-
-
-def _collapse_quant_epilogue_kernel(
-    part_ptr,   # [SPLIT, T, NP] fp32 partials from _mhc_pre_kernel (column NMIX + 1: sum(h^2) of the split)
-    w_ptr,      # [H] norm weight
-    x_ptr,      # [T, H] in: unnormalised collapse h; out: RMSNorm_w(h)
-    q_ptr,      # [T, H] uint8 out: the E4M3 bytes of x / scale
-    qs_ptr,     # [T] fp32 out: the row's scale
-    T, H, SPLIT,
-    inv_h, eps, floor,
-    stride_ps, stride_pt, stride_pn,
-    stride_xt, stride_xh,
-    stride_qt, stride_qh,
-    NMIX: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr,
-):
-    # one row per program: its scale needs the amax of the whole normalised row before any code is written.  With
-    # ONE_PASS (BLOCK_H >= H, the wrapper's choice up to QUANT_EPILOGUE_MAX_H) the row stays in registers: one read of
-    # h and w, one write of x and the codes; wider rows take two passes (h re-read from L1 / L2, x recomputed, so no
-    # barrier between the passes)
-    t = tl.program_id(0).to(tl.int64)
-    offs_s = tl.arange(0, BLOCK_S)
-    a_ssq = tl.zeros([BLOCK_S], dtype=tl.float32)
-    for s0 in range(0, SPLIT, BLOCK_S):
-        ss = s0 + offs_s
-        a_ssq += tl.load(part_ptr + ss.to(tl.int64) * stride_ps + t * stride_pt + (NMIX + 1) * stride_pn,
-                         mask=ss < SPLIT, other=0.0)
-    rx = tl.rsqrt(tl.sum(a_ssq, axis=0) * inv_h + eps)
-    xrow = x_ptr + t * stride_xt
-    qrow = q_ptr + t * stride_qt
-    if ONE_PASS:  # BLOCK_H >= H: the row stays in registers
-        offs_h = tl.arange(0, BLOCK_H)
-        mask = offs_h < H
-        h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
-        y = (h * rx * w).to(x_ptr.dtype.element_ty)  # x as stored (rounded to its dtype)
-        mx = tl.max(tl.abs(y.to(tl.float32)), axis=0)
-        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
-        tl.store(qs_ptr + t, scale)
-        _store_codes(qrow, offs_h * stride_qh, mask, y, scale, BLOCK_H)
-        tl.store(xrow + offs_h * stride_xh, y, mask=mask)
-    else:
-        amax = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask = offs_h < H
-            h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
-            y = (h * rx * w).to(x_ptr.dtype.element_ty)
-            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
-        mx = tl.max(amax, axis=0)
-        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
-        tl.store(qs_ptr + t, scale)
-        for h0 in range(0, H, BLOCK_H):
-            offs_h = h0 + tl.arange(0, BLOCK_H)
-            mask = offs_h < H
-            h = tl.load(xrow + offs_h * stride_xh, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + offs_h, mask=mask, other=0.0).to(tl.float32)
-            y = (h * rx * w).to(x_ptr.dtype.element_ty)
-            _store_codes(qrow, offs_h * stride_qh, mask, y, scale, BLOCK_H)
-            tl.store(xrow + offs_h * stride_xh, y, mask=mask)
-
-
-def _store_codes(qrow, offs, mask, y, scale, BLOCK: tl.constexpr):
-    # E4M3 bytes of y / scale (correctly rounded division, RNE, sign from the IEEE bit), as formats.quant_fp8_tokens
-    v = tl.math.div_rn(y.to(tl.float32), tl.full([BLOCK], 1.0, tl.float32) * scale)
-    _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
-    code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
-    tl.store(qrow + offs, code.to(tl.uint8), mask=mask)
+        x = (h * rx[:, None] * w[None, :]).to(x_ptr.dtype.element_ty)
+        tl.store(ptrs, x, mask=mask)
+        if QUANT:
+            # the row's scale from the splits' max |h * w| times rx, rounded to x's dtype as x is: the amax of x itself
+            # but where the products' fp32 roundings straddle a rounding point of x's dtype (then one ulp apart)
+            amax = (tl.max(a_max, axis=0) * rx).to(x_ptr.dtype.element_ty).to(tl.float32)
+            qs = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), floor)          # [BLOCK_T]
+            v = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(qs[:, None], [BLOCK_T, BLOCK_H]))
+            _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
+            code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+            tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :] * stride_qh, code.to(tl.uint8), mask=mask)
+            if pid_h == 0:
+                tl.store(qs_ptr + offs_t, qs, mask=mask_t)
 
 
 def _mhc_post_kernel(
@@ -489,13 +452,10 @@ def _kernels() -> SimpleNamespace:
     triton = _triton()
     from vllm_dsv41.ops import compressor
 
-    compressor._kernels()  # its _e4m3_round becomes a JIT function, called by the quantising epilogue
+    compressor._kernels()  # its _e4m3_round becomes a JIT function, called by the epilogue's QUANT columns
     globals()["_e4m3_round"] = compressor._e4m3_round
-    globals()["_store_codes"] = triton.jit(_store_codes)
     rows = dict(do_not_specialize=ROW_COUNT_ARGS)
     return SimpleNamespace(pre=triton.jit(_mhc_pre_kernel, **rows),
-                           collapse_quant=triton.jit(_collapse_quant_epilogue_kernel,
-                                                     do_not_specialize=ROW_COUNT_ARGS + ("SPLIT",)),
                            # the H split count follows the row count too; the epilogue only loops over it
                            pre_epilogue=triton.jit(_mhc_pre_epilogue_kernel,
                                                    do_not_specialize=ROW_COUNT_ARGS + ("SPLIT",)),
@@ -633,15 +593,13 @@ def _check_pre_args(stream, fn, base, scale, pre_prev, norm_w) -> tuple[int, int
 #: them one after the other (``EPILOGUE_SPLITS = 1``, the previous kernel) is the likely reason the epilogue took
 #: 13 µs per boundary at T=1 in the H200 decode profile; the gain of 16 per round is not profiled yet.
 EPILOGUE_SPLITS = 16
-QUANT_EPILOGUE_MAX_H = 8192  # rows up to this width stay in registers in the quantising epilogue (one pass) ...
-QUANT_EPILOGUE_BLOCK_H = 2048  # ... wider ones take two passes of this many columns a step
 
 
 def _partials(T: int, H: int, nmix: int, cfg: dict, dev: torch.device) -> tuple[int, int, int, torch.Tensor]:
     """(H per split in whole chunks, split count, padded NMIX, the [split, T, NP] fp32 partials) for ``cfg``."""
     hs = _cdiv(_cdiv(H, cfg["split"]), cfg["block_h"]) * cfg["block_h"]
     split = _cdiv(H, hs)
-    np_ = _next_pow2(nmix + 2)
+    np_ = _next_pow2(nmix + 3)  # the projection columns, then sum v^2, sum h^2 and max |h * w|
     return hs, split, np_, torch.empty(split, T, np_, dtype=torch.float32, device=dev)
 
 
@@ -676,7 +634,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     src, src_strides = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
-        stream, *src, fn, pre_prev, x, part,
+        stream, *src, fn, pre_prev, x, part, part,  # w: unused (no AMAX)
         T, H, hs,
         *stream.stride(), *src_strides, *fn.stride(), *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
@@ -690,10 +648,10 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     ep_t, ep_h = 8, 512
     nhb = _cdiv(H, ep_h)
     k.pre_epilogue[(_cdiv(T, ep_t), nhb + 1)](
-        part, base, scale, norm_w, x, pre, post, comb,
+        part, base, scale, norm_w, x, pre, post, comb, part, part,  # q, qs: unused (no QUANT)
         T, H, split, nhb,
-        1.0 / (C * H), 1.0 / H, eps, hc_eps, iters,
-        *part.stride(), *x.stride(), *pre.stride(), *post.stride(), *comb.stride(),
+        1.0 / (C * H), 1.0 / H, eps, hc_eps, iters, 0.0,
+        *part.stride(), *x.stride(), *pre.stride(), *post.stride(), *comb.stride(), 0, 0,
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
     )
     return new_stream, x, pre, post, comb
@@ -713,7 +671,8 @@ def _collapse_config(T: int, H: int, fuse_post: bool, device: torch.device) -> d
 def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: bool = False):
     """``mhc_collapse`` (``post_inputs`` None) and ``mhc_post_collapse``: the pre kernel without the projection
     (post-mix, collapse and both sums of squares), then only the epilogue's normalising columns; with ``quant`` (the
-    ``*_quant`` ops) the quantising epilogue instead, one row a program -> (new stream, x, codes, scales)."""
+    ``*_quant`` ops) the pre kernel also keeps each split's max |h * w| (AMAX) and the normalising columns write x's
+    codes beside x (QUANT) -> (new stream, x, codes, scales)."""
     assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
     T, C, H = stream.shape
     assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
@@ -733,35 +692,26 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
     src, src_strides = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
-        stream, *src, stream, pre_prev, x, part,  # fn: a placeholder (PROJECT off)
+        stream, *src, stream, pre_prev, x, part, norm_w,  # fn: a placeholder (PROJECT off)
         T, H, hs,
         *stream.stride(), *src_strides, 0, 0, *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
-        FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True,
+        FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True, AMAX=quant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if quant:
-        bh = cfg.get("quant_block_h") or (_next_pow2(H) if H <= QUANT_EPILOGUE_MAX_H else QUANT_EPILOGUE_BLOCK_H)
-        q8 = codes.view(torch.uint8)
-        k.collapse_quant[(T,)](
-            part, norm_w, x, q8, scales,
-            T, H, split,
-            1.0 / H, eps, formats.FP8_TOKEN_SCALE_FLOOR,
-            *part.stride(), *x.stride(), *q8.stride(),
-            NMIX=nmix, BLOCK_H=bh, BLOCK_S=EPILOGUE_SPLITS, ONE_PASS=bh >= H, num_warps=max(4, min(16, bh // 512)),
-        )
-        return new_stream, x, codes, scales
     ep_t, ep_h = 8, 512
     nhb = _cdiv(H, ep_h)
+    q8 = codes.view(torch.uint8) if quant else part
     # program columns 0 .. nhb-1 only: the coefficient column (NHB) is left to mhc_coeffs
     k.pre_epilogue[(_cdiv(T, ep_t), nhb)](
         part, part, part, norm_w, x, part, part, part,  # base, scale, pre, post, comb: never dereferenced
+        q8, scales if quant else part,
         T, H, split, nhb,
-        1.0 / (C * H), 1.0 / H, eps, 0.0, 1,
-        *part.stride(), *x.stride(), 0, 0, 0, 0, 0, 0, 0,
-        C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
+        1.0 / (C * H), 1.0 / H, eps, 0.0, 1, formats.FP8_TOKEN_SCALE_FLOOR,
+        *part.stride(), *x.stride(), 0, 0, 0, 0, 0, 0, 0, *(q8.stride() if quant else (0, 0)),
+        C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, QUANT=quant, num_warps=4,
     )
-    return new_stream, x
+    return (new_stream, x, codes, scales) if quant else (new_stream, x)
 
 
 def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
@@ -780,7 +730,7 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
     hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
-        stream, stream, pre, comb, stream, fn, pre, part, part,  # y, post_prev, comb_prev, snew, pre_prev, h: unused
+        stream, stream, pre, comb, stream, fn, pre, part, part, part,  # y .. snew, pre_prev, h, w: unused
         T, H, hs,
         *stream.stride(), *(0,) * 10, *fn.stride(), 0, 0, 0, 0, *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
@@ -793,10 +743,10 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
     ep_t = 8
     # one program column, the coefficient one (NHB = 0): x and the norm weight are never touched
     k.pre_epilogue[(_cdiv(T, ep_t), 1)](
-        part, base, scale, base, part, pre, post, comb,
+        part, base, scale, base, part, pre, post, comb, part, part,
         T, H, split, 0,
-        1.0 / (C * H), 1.0 / H, eps, hc_eps, iters,
-        *part.stride(), 0, 0, *pre.stride(), *post.stride(), *comb.stride(),
+        1.0 / (C * H), 1.0 / H, eps, hc_eps, iters, 0.0,
+        *part.stride(), 0, 0, *pre.stride(), *post.stride(), *comb.stride(), 0, 0,
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=512, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
     )
     return pre, post, comb
