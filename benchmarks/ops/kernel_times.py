@@ -305,7 +305,8 @@ def section_fused_quant(tokens: list[int], iters: int) -> None:
             return vops.scaled_fp8_quant(h, use_per_token_if_dynamic=True)
 
         stream_b, x_b = M * C * H * 2, M * H * 2
-        cases = [("collapse + quant", lambda: vops.scaled_fp8_quant(ops.mhc_collapse(*ca), use_per_token_if_dynamic=True),
+        cases = [("collapse + quant",
+                  lambda: vops.scaled_fp8_quant(ops.mhc_collapse(*ca), use_per_token_if_dynamic=True),
                   stream_b + x_b + M * H),
                  ("collapse_quant", lambda: ops.mhc_collapse_quant(*ca), stream_b + x_b + M * H),
                  ("post_collapse + quant",

@@ -231,7 +231,8 @@ for name, case in t.INTERPRET_CASES.items():
     # the fused ops' stream must equal mhc_post's bit for bit (same arithmetic, same order)
     alone = mhc._mhc_post_triton(*args[:4]) if case[0] in ("post_pre", "post_collapse", "post_collapse_quant") else None
     # the quantising ops' x must equal the op's without the codes bit for bit
-    plain = getattr(mhc, f"_mhc_{t.QUANT_OPS[case[0]]}_triton")(*args, config=case[5]) if case[0] in t.QUANT_OPS else None
+    plain = (getattr(mhc, f"_mhc_{t.QUANT_OPS[case[0]]}_triton")(*args, config=case[5])
+             if case[0] in t.QUANT_OPS else None)
     out[name] = (ref, got if isinstance(got, tuple) else (got,), alone, plain)
 torch.save(out, sys.argv[1])
 """
@@ -294,7 +295,8 @@ def assert_quantised_x(name: str, got: tuple, plain) -> None:
     codes, scales = formats.quant_fp8_tokens(x)
     q, s = got[n].cpu(), got[n + 1].cpu()
     same = (s == scales).squeeze(1)
-    assert int((~same).sum()) <= max(1, same.numel() // 10), f"{name}: {int((~same).sum())} of {same.numel()} rows' scales differ"
+    differ = int((~same).sum())
+    assert differ <= max(1, same.numel() // 10), f"{name}: {differ} of {same.numel()} rows' scales differ"
     assert ((s - scales).abs() <= scales * 2.0 ** -7).all(), f"{name}: scales more than an ulp of x's dtype apart"
     assert torch.equal(q[same].view(torch.uint8), codes[same].view(torch.uint8)), f"{name}: codes differ from quant(x)"
     back = q.float() * s

@@ -9,7 +9,8 @@ Why an op: on the fast path the shared expert's ``w2`` is a ``w8a8`` GEMM, which
 launch of its own; here the activation and that quantisation are one launch (vLLM's ``silu_and_mul_with_clamp``
 and ``scaled_fp8_quant`` were two), the codes those two would make of the same h.  One program per row (I = 2,304 in
 the target): the row held in registers, one read of y and one write of h and the codes (rows wider than
-``MAX_ONE_PASS``: two passes, h recomputed rather than re-read, so no barrier between them).  h is returned too (the tests hold the codes to it bit for bit).
+``MAX_ONE_PASS``: two passes, h recomputed rather than re-read, so no barrier between them).  h is returned too (the
+tests hold the codes to it bit for bit).
 """
 
 from __future__ import annotations
