@@ -12,7 +12,11 @@ in-process engine core:
 
 Per phase (steps that hold prefill tokens, pure decode steps) it prints the steps, the wall between step
 ends (the pace), the host time in the runner and the GPU time per step.  Under async scheduling a pace
-close to the host time says the host sets it; close to the GPU time, the GPU.  The rows go to
+close to the host time says the host sets it; close to the GPU time, the GPU.  The GPU time is the span between
+the events around a step's launches, so when a step is launched while the previous one still runs on the GPU
+(the batch-64 prefill chunks, session 21: spans of 455-480 ms against 280-450 ms between plan and output) the span
+includes that wait, the spans of consecutive steps overlap, and a host time that follows such a step can be the
+host waiting on that GPU work (a copy from pageable memory, a synchronising call) rather than launch work.  The rows go to
 ``$OUT/timeline.json``.  ``--profile-decode N`` adds a third run whose first N pure decode steps (every
 prompt prefilled) run under ``torch.profiler``: their kernels by name, count and time per step, without the
 prefill chunks that a difference of two runs (``profile_steps.py``) mixes in; ``--profile-prefill`` does the same for
