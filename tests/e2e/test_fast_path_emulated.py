@@ -103,23 +103,42 @@ def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
 
 
+def _counted(calls: dict, name: str, fn):
+    """``fn`` adding one to ``calls[name]`` per call."""
+    def run(*a, **kw):
+        calls[name] += 1
+        return fn(*a, **kw)
+    return run
+
+
 def _count_ops(monkeypatch, calls: dict, counted: set[str]) -> None:
     """The model's ``torch.ops.dsv41`` calls of the ops named in ``counted`` add to ``calls[name]`` (through the
     model's ``_ops()``; the namespace's own attributes stay untouched)."""
     from vllm_dsv41.model_executor import model as model_mod
 
-    def wrap(name, op):
-        def run(*a, **kw):
-            calls[name] += 1
-            return op(*a, **kw)
-        return run
-
     class CountedOps:
         def __getattr__(self, name):
             op = getattr(torch.ops.dsv41, name)
-            return wrap(name, op) if name in counted else op
+            return _counted(calls, name, op) if name in counted else op
 
     monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+
+
+def _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls: dict) -> tuple[tuple, tuple]:
+    """The tiny model served with ``VLLM_DSV41_FUSED_QUANT=0`` and then ``1`` (the rest of the environment as the caller
+    set it), the static decode steps under the host-read probe: per run (tokens, vocabulary logits, a copy of
+    ``calls``, zeroed before each run), and no host read inside a static step."""
+    probe = probe_static_steps(monkeypatch)
+    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
+    runs = []
+    for switch in ("0", "1"):
+        monkeypatch.setenv(linear.FUSED_QUANT_ENV, switch)
+        calls.update(dict.fromkeys(calls, 0))
+        with engine(tiny_ckpt, exact=True, **kw) as llm:
+            outs = _generate(llm, prompts, logits=True)
+        runs.append(([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], dict(calls)))
+    assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
+    return runs[0], runs[1]
 
 
 def _layout(m, dtype: torch.dtype) -> dict:
@@ -244,37 +263,20 @@ def test_fused_norm_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     monkeypatch.setenv("VLLM_DSV41_STREAMS", "fp32")
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
     _emulate_fast_path(monkeypatch, torch.bfloat16)
-    calls = {}
-
-    def counted(name, fn):
-        def run(*a, **kw):
-            calls[name] += 1
-            return fn(*a, **kw)
-        return run
-
     import vllm._custom_ops as vllm_ops
 
-    monkeypatch.setattr(vllm_ops, "rms_norm_dynamic_per_token_quant", counted("norm_quant", _rms_norm_quant))
-    monkeypatch.setattr(linear, "w8a8_gemm_rows", counted("gemm_on_rows", linear.w8a8_gemm_rows))
-    monkeypatch.setattr(linear, "w8a8_ref", counted("gemm_quantising", linear.w8a8_ref))
+    calls = dict.fromkeys(("norm_quant", "gemm_on_rows", "gemm_quantising", "swiglu_quant"), 0)
+    monkeypatch.setattr(vllm_ops, "rms_norm_dynamic_per_token_quant", _counted(calls, "norm_quant", _rms_norm_quant))
+    monkeypatch.setattr(linear, "w8a8_gemm_rows", _counted(calls, "gemm_on_rows", linear.w8a8_gemm_rows))
+    monkeypatch.setattr(linear, "w8a8_ref", _counted(calls, "gemm_quantising", linear.w8a8_ref))
     _count_ops(monkeypatch, calls, {"swiglu_quant"})
-    probe = probe_static_steps(monkeypatch)
-    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
-    runs = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv(linear.FUSED_QUANT_ENV, switch)
-        calls.update(norm_quant=0, gemm_on_rows=0, gemm_quantising=0, swiglu_quant=0)
-        with engine(tiny_ckpt, exact=True, **kw) as llm:
-            outs = _generate(llm, prompts, logits=True)
-        runs[switch] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], dict(calls))
-    (tok0, lg0, c0), (tok1, lg1, c1) = runs["0"], runs["1"]
+    (tok0, lg0, c0), (tok1, lg1, c1) = _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls)
     print(f"fused q norm + quantisation: {c1} against {c0}")
     assert c0["norm_quant"] == c0["gemm_on_rows"] == 0 and c1["norm_quant"] > 0
     assert c1["gemm_quantising"] + c1["gemm_on_rows"] == c0["gemm_quantising"]
     # the indexer layers share the q norm's rows (the activations' own quantisations, VLLM_DSV41_FUSED_ACT_QUANT, are
     # off by default)
     assert c1["swiglu_quant"] == 0 and c1["norm_quant"] < c1["gemm_on_rows"] < 2 * c1["norm_quant"]
-    assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
     assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))
 
@@ -295,29 +297,12 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
     _emulate_fast_path(monkeypatch, torch.bfloat16)
-    calls = {}
-
-    def counted(name, fn):
-        def run(*a, **kw):
-            calls[name] += 1
-            return fn(*a, **kw)
-        return run
-
-    _count_ops(monkeypatch, calls, {"mhc_collapse", "mhc_post_collapse", "mhc_collapse_quant",
-                                    "mhc_post_collapse_quant", "swiglu_quant"})
-    monkeypatch.setattr(linear, "w8a8_gemm_rows", counted("gemm_on_rows", linear.w8a8_gemm_rows))
-    monkeypatch.setattr(linear, "w8a8_ref", counted("gemm_quantising", linear.w8a8_ref))
-    probe = probe_static_steps(monkeypatch)
-    kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
-    runs = {}
-    for switch in ("0", "1"):
-        monkeypatch.setenv(linear.FUSED_QUANT_ENV, switch)
-        calls.update({k: 0 for k in ("mhc_collapse", "mhc_post_collapse", "mhc_collapse_quant",
-                                     "mhc_post_collapse_quant", "swiglu_quant", "gemm_on_rows", "gemm_quantising")})
-        with engine(tiny_ckpt, exact=True, **kw) as llm:
-            outs = _generate(llm, prompts, logits=True)
-        runs[switch] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], dict(calls))
-    (tok0, lg0, c0), (tok1, lg1, c1) = runs["0"], runs["1"]
+    ops = {"mhc_collapse", "mhc_post_collapse", "mhc_collapse_quant", "mhc_post_collapse_quant", "swiglu_quant"}
+    calls = dict.fromkeys((*ops, "gemm_on_rows", "gemm_quantising"), 0)
+    _count_ops(monkeypatch, calls, ops)
+    monkeypatch.setattr(linear, "w8a8_gemm_rows", _counted(calls, "gemm_on_rows", linear.w8a8_gemm_rows))
+    monkeypatch.setattr(linear, "w8a8_ref", _counted(calls, "gemm_quantising", linear.w8a8_ref))
+    (tok0, lg0, c0), (tok1, lg1, c1) = _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls)
     print(f"fused collapse quantisation: {c1} against {c0}")
     assert c0["mhc_collapse_quant"] == c0["mhc_post_collapse_quant"] == c0["swiglu_quant"] == 0
     assert c0["mhc_collapse"] > 0
@@ -329,6 +314,5 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     # wkv], and wq_b from the fused q norm), per FFN collapse one (the shared [w1; w3]), per activation one (w2)
     assert c1["gemm_quantising"] + c1["gemm_on_rows"] == c0["gemm_quantising"] and c0["gemm_on_rows"] == 0
     assert c1["gemm_on_rows"] >= 2 * c1["mhc_collapse_quant"] + c1["mhc_post_collapse_quant"] + c1["swiglu_quant"]
-    assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
     assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))

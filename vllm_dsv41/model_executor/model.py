@@ -666,12 +666,17 @@ class MoE(nn.Module):
             return ogs_moe(xb, self.ogs, idx, wts, self.limit)
         return _ops().moe_mxfp4(xb, *self.mxfp4, idx, wts, self.limit)
 
+    @property
+    def _stacked(self) -> bool:
+        """The routed experts run through a fused stack (Marlin's, matmul_ogs', ours), not the per-expert loop."""
+        return self.marlin is not None or self.mxfp4 is not None or self.ogs is not None
+
     def takes_quantised_input(self, dtype: torch.dtype) -> bool:
         """Whether x of ``dtype`` may also arrive quantised per token (``QuantRows``, from the mHC collapse that makes
         it: ``dsv41::mhc_post_collapse_quant``) for the shared expert's fused ``[w1; w3]``, a ``w8a8`` GEMM that would
         quantise x itself, with x already in the experts' dtype (no cast before it)."""
         w13 = self.shared_experts.w13
-        if w13 is None or dtype != self.act_dtype or self.ogs is None and self.marlin is None and self.mxfp4 is None:
+        if w13 is None or dtype != self.act_dtype or not self._stacked:
             return False
         if self._x_rows_quantisable is None:
             self._x_rows_quantisable = reads_quantised_rows([w13], dtype, activation=True)
@@ -680,7 +685,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ops: bool = False, xq: QuantRows | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; ``xq``: x quantised per token as well (:meth:`takes_quantised_input`), for the shared
         expert's first GEMM."""
-        if self.marlin is not None or self.mxfp4 is not None or self.ogs is not None:
+        if self._stacked:
             # bf16 into both expert paths (one cast, none with bf16 streams) and out (the mHC post-mix reads it)
             xb = x.to(self.act_dtype)
             shared_in = xq if xq is not None else xb

@@ -140,6 +140,17 @@ def _e4m3_round(v):
     return tl.where(normal, v_norm, qi.to(tl.float32) * 0.001953125), tl.where(normal, b_norm, qi)
 
 
+def _e4m3_byte(v):
+    # fp32 v -> its E4M3 byte: |v| saturated at 448, rounded to nearest even, the sign from the IEEE bit (-0.0 -> 0x80)
+    _, mag = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
+    return mag | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+
+
+def _fp8_token_scale(amax, floor):
+    # formats.quant_fp8_tokens' per-row scale: max(amax / 448, floor), the division correctly rounded
+    return tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), floor)
+
+
 def _nvfp4_pack(a, b):
     # a, b: fp32 [BT, G, 8] = dims 16g + 2j and 16g + 2j + 1 of each row.
     # -> (packed bytes [BT, G, 8] int32, E4M3 scale bytes [BT, G] int32)
@@ -337,7 +348,7 @@ def _encode_records_kernel(
 _NOT_SPECIALISED = {"_compress_insert_kernel": ROW_COUNT_ARGS, "_encode_records_kernel": ("N",)}
 """Per kernel, the integer arguments Triton should not specialise on: the row count, a bound only
 (``_triton.ROW_COUNT_ARGS``)."""
-_JIT_FUNCTIONS = ("_e2m1_codes", "_e4m3_round", "_nvfp4_pack", "_mxfp4_pack", "_cos_sin", "_rope_pairs",
+_JIT_FUNCTIONS = ("_e2m1_codes", "_e4m3_round", "_e4m3_byte", "_fp8_token_scale", "_nvfp4_pack", "_mxfp4_pack", "_cos_sin", "_rope_pairs",
                   "_pooled_chunk", "_latent_chunk", "_compress_insert_kernel", "_encode_records_kernel")
 
 

@@ -396,10 +396,8 @@ def _mhc_pre_epilogue_kernel(
             # the row's scale from the splits' max |h * w| times rx, rounded to x's dtype as x is: the amax of x itself
             # but where the products' fp32 roundings straddle a rounding point of x's dtype (then one ulp apart)
             amax = (tl.max(a_max, axis=0) * rx).to(x_ptr.dtype.element_ty).to(tl.float32)
-            qs = tl.maximum(tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), floor)          # [BLOCK_T]
-            v = tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(qs[:, None], [BLOCK_T, BLOCK_H]))
-            _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
-            code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+            qs = _fp8_token_scale(amax, floor)                                                           # [BLOCK_T]
+            code = _e4m3_byte(tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(qs[:, None], [BLOCK_T, BLOCK_H])))
             tl.store(q_ptr + offs_t[:, None] * stride_qt + offs_h[None, :] * stride_qh, code.to(tl.uint8), mask=mask)
             if pid_h == 0:
                 tl.store(qs_ptr + offs_t, qs, mask=mask_t)
@@ -452,8 +450,8 @@ def _kernels() -> SimpleNamespace:
     triton = _triton()
     from vllm_dsv41.ops import compressor
 
-    compressor._kernels()  # its _e4m3_round becomes a JIT function, called by the epilogue's QUANT columns
-    globals()["_e4m3_round"] = compressor._e4m3_round
+    compressor._kernels()  # its E4M3 helpers become JIT functions, called by the epilogue's QUANT columns
+    globals().update(_e4m3_byte=compressor._e4m3_byte, _fp8_token_scale=compressor._fp8_token_scale)
     rows = dict(do_not_specialize=ROW_COUNT_ARGS)
     return SimpleNamespace(pre=triton.jit(_mhc_pre_kernel, **rows),
                            # the H split count follows the row count too; the epilogue only loops over it

@@ -90,10 +90,8 @@ def _swa_insert_kernel(kv_ptr, w_ptr, pos_ptr, slot_ptr, freq_ptr, cache_ptr, ep
         scale = tl.where(byte == 0, (1 << 22), byte << 23).to(tl.float32, bitcast=True)
         sa = tl.math.div_rn(A, tl.broadcast_to(scale[:, None], A.shape))
         sb = tl.math.div_rn(B, tl.broadcast_to(scale[:, None], B.shape))
-        _, qa = _e4m3_round(tl.minimum(tl.abs(sa), 448.0))
-        _, qb = _e4m3_round(tl.minimum(tl.abs(sb), 448.0))
-        qa = qa | ((sa.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
-        qb = qb | ((sb.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
+        qa = _e4m3_byte(sa)
+        qb = _e4m3_byte(sb)
         crow = cache_ptr + slot * stride_c
         g = tl.arange(0, D // 32)
         j = tl.arange(0, 16)
@@ -110,10 +108,10 @@ def _kernels():
 
     from vllm_dsv41.ops import compressor
 
-    compressor._kernels()  # its _e4m3_round / _cos_sin become JIT functions
+    compressor._kernels()  # its _e4m3_byte / _cos_sin become JIT functions
     module = globals()
     module["tl"] = triton.language
-    module["_e4m3_round"] = compressor._e4m3_round
+    module["_e4m3_byte"] = compressor._e4m3_byte
     module["_cos_sin"] = compressor._cos_sin
     module["_swa_insert_kernel"] = triton.jit(_swa_insert_kernel)
     return module["_swa_insert_kernel"]

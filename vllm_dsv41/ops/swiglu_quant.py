@@ -55,7 +55,7 @@ def _swiglu_quant_kernel(y_ptr, h_ptr, q_ptr, s_ptr, T, I, limit, floor, stride_
         m = cols < I
         h = _act(yrow, cols, m, I, limit).to(h_ptr.dtype.element_ty)
         mx = tl.max(tl.abs(h.to(tl.float32)), axis=0)
-        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+        scale = _fp8_token_scale(mx, floor)
         tl.store(s_ptr + t, scale)
         _codes_out(qrow, cols, m, h, scale, BLOCK)
         tl.store(hrow + cols, h, mask=m)
@@ -67,7 +67,7 @@ def _swiglu_quant_kernel(y_ptr, h_ptr, q_ptr, s_ptr, T, I, limit, floor, stride_
             h = _act(yrow, cols, m, I, limit).to(h_ptr.dtype.element_ty)
             amax = tl.maximum(amax, tl.abs(h.to(tl.float32)))
         mx = tl.max(amax, axis=0)
-        scale = tl.maximum(tl.math.div_rn(mx, tl.full(mx.shape, 448.0, tl.float32)), floor)
+        scale = _fp8_token_scale(mx, floor)
         tl.store(s_ptr + t, scale)
         for c0 in range(0, I, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
@@ -85,11 +85,9 @@ def _act(yrow, cols, m, I, limit):
 
 
 def _codes_out(qrow, cols, m, h, scale, BLOCK: tl.constexpr):
-    # E4M3 bytes of h / scale: correctly rounded division, RNE, the sign from the IEEE bit (formats.quant_fp8_tokens)
+    # E4M3 bytes of h / scale, the division correctly rounded (formats.quant_fp8_tokens)
     v = tl.math.div_rn(h.to(tl.float32), tl.full([BLOCK], 1.0, tl.float32) * scale)
-    _, code = _e4m3_round(tl.minimum(tl.abs(v), 448.0))
-    code = code | ((v.to(tl.int32, bitcast=True) < 0).to(tl.int32) << 7)
-    tl.store(qrow + cols, code.to(tl.uint8), mask=m)
+    tl.store(qrow + cols, _e4m3_byte(v).to(tl.uint8), mask=m)
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,10 +97,10 @@ def _kernels():
 
     from vllm_dsv41.ops import compressor
 
-    compressor._kernels()  # its _e4m3_round becomes a JIT function
+    compressor._kernels()  # its E4M3 helpers become JIT functions
     module = globals()
     module["tl"] = triton.language
-    module["_e4m3_round"] = compressor._e4m3_round
+    module.update(_e4m3_byte=compressor._e4m3_byte, _fp8_token_scale=compressor._fp8_token_scale)
     module["_act"] = triton.jit(_act)
     module["_codes_out"] = triton.jit(_codes_out)
     module["_swiglu_quant_kernel"] = triton.jit(_swiglu_quant_kernel, do_not_specialize=ROW_COUNT_ARGS)
