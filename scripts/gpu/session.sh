@@ -20,6 +20,7 @@
 #   scripts/gpu/session.sh decide [ARGS] # both: tests, kernel times, timelines base / split / split+rows
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh quant [fast]    # the fused activation quantisations: CUDA tests, kernel times (fast path)
+#   scripts/gpu/session.sh packed [ARGS]   # StaticStep.load's packed copies: CUDA test, timelines packed / per tensor
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -188,6 +189,20 @@ case "${1:-}" in
         tests/gpu/test_fast_path_cuda.py > "$OUT/fast-path.log" 2>&1
       grep -E "passed|failed|FAILED|Error|median|prompt" "$OUT/fast-path.log" | cut -c1-200 | tail -14
     fi ;;
+  packed)
+    # session 22: StaticStep.load's packed copies (VLLM_DSV41_PACKED_LOAD): its CUDA test, then one workload's
+    # timeline (the rest of the arguments; default batch 64) packed / per tensor, twice each, alternating; the first
+    # timeline on a fresh machine compiles, so it has the longer limit
+    shift
+    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/attention/test_static_step.py > "$OUT/packed-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/packed-tests.log" | tail -4
+    limit=240 i=0
+    for p in 1 0 1 0; do
+      i=$((i + 1)) log="$OUT/timeline-$i-packed$p.log"
+      VLLM_DSV41_PACKED_LOAD=$p timeout $limit python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$log" 2>&1
+      echo "packed $p: $(grep -E '^(timed run|decode  )' "$log" | tr -s ' ' | tr '\n' ' ')"
+      limit=120
+    done ;;
   timeline)
     shift
     timeout 560 python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$OUT/timeline.log" 2>&1

@@ -263,6 +263,7 @@ class StaticGroupView(GroupView):
     def __init__(self, md: DSV41GroupMetadata, device: torch.device, step: "StaticStep"):
         super().__init__(md, device)
         self.step = step
+        # views of the step's packed buffers once StaticStep.__init__ has made them
         self.block_table_i32 = self.block_table_i32.clone()
         self.runner_slots = (md.runner_slots.to(device=device, dtype=torch.int64).clone()
                              if md.runner_slots is not None else None)
@@ -300,15 +301,26 @@ class StaticStep(Step):
         # the most rows any request has in the steps this one stands for (the decoder's kept rows: the window);
         # known, it bounds the blocks a gather plan can touch (gather_bounds), so attention may gather keys here
         self.rows_per_request = rows_per_request
-        for key, t in self._fields(meta).items():
-            self._dev[key] = t.to(device=device, dtype=torch.int64).clone()
         self._views: dict[str, GroupView] = {}
-        made: dict[int, GroupView] = {}
+        made: dict[int, StaticGroupView] = {}
         for name, g in meta.groups.items():
             v = made.get(id(g))
             if v is None:
                 v = made[id(g)] = StaticGroupView(g, device, self)
             self._views[name] = v
+        self._group_views = list(made.values())  # each group's view once, in the metadata's order
+        # every buffer load refills lives in one of three flat buffers (the step fields, int64; the block tables,
+        # int32; the SWA groups' runner slots, int64) so a packed load refills each with one copy (see load)
+        fields = {k: t.to(device=device, dtype=torch.int64) for k, t in self._fields(meta).items()}
+        self._field_buf, views = _packed(list(fields.values()), torch.int64, device)
+        self._dev.update(zip(fields, views))
+        self._table_buf, tables = _packed([v.block_table_i32 for v in self._group_views], torch.int32, device)
+        slotted = [v for v in self._group_views if v.runner_slots is not None]
+        self._slot_buf, slots = _packed([v.runner_slots for v in slotted], torch.int64, device)
+        for v, t in zip(self._group_views, tables):
+            v.block_table_i32 = t
+        for v, t in zip(slotted, slots):
+            v.runner_slots = t
 
     # the metadata fields the model reads on the device (Step._on_device)
     FIELDS = ("positions", "token_req_idx", "query_start_loc", "seq_lens", "replay_start", "lookback_token_ids",
@@ -356,18 +368,81 @@ class StaticStep(Step):
         self.__dict__.pop("request_spans", None)  # Step's cached host facts of the previous step
         self.input_ids[:n].copy_(input_ids[:n])
         self.input_ids[n:].zero_()
-        for key, t in self._fields(meta).items():
-            self._dev[key].copy_(t, non_blocking=True)
-        done: set[int] = set()
+        groups: dict[int, tuple[StaticGroupView, DSV41GroupMetadata]] = {}
         for name, g in meta.groups.items():
-            v = self._views[name]
-            if id(v) in done:
-                continue
-            done.add(id(v))
-            v.block_table_i32.copy_(g.block_table, non_blocking=True)
+            groups.setdefault(id(self._views[name]), (self._views[name], g))
+        pairs = list(groups.values())
+        for v, _ in pairs:
             v._bt64 = None  # the int64 view (plain path only) is remade from the buffer when read
+        fields = self._fields(meta)
+        if packed_load():
+            self._load_packed(fields, pairs)
+            return
+        for key, t in fields.items():
+            self._dev[key].copy_(t, non_blocking=True)
+        for v, g in pairs:
+            v.block_table_i32.copy_(g.block_table, non_blocking=True)
             if v.runner_slots is not None:
                 v.runner_slots.copy_(g.runner_slots, non_blocking=True)
+
+    def _load_packed(self, fields: dict[str, torch.Tensor],
+                     pairs: list[tuple["StaticGroupView", DSV41GroupMetadata]]) -> None:
+        """:meth:`load`'s copies, one a flat buffer: the step fields gathered on the host into one pinned block and
+        sent with one host-to-device copy, the block tables and runner slots concatenated on the device (one kernel
+        each).  Per field, each tiny copy was a launch of its own between two replays (session 21's batch-1
+        profile: ~0.5 ms a step of GPU idle between them)."""
+        _refill(self._field_buf, [self._dev[k] for k in fields], [t.to(torch.int64) for t in fields.values()],
+                "step field")
+        _refill(self._table_buf, [v.block_table_i32 for v, _ in pairs], [g.block_table for _, g in pairs],
+                "block table")
+        slotted = [(v, g) for v, g in pairs if v.runner_slots is not None]
+        _refill(self._slot_buf, [v.runner_slots for v, _ in slotted], [g.runner_slots for _, g in slotted],
+                "runner slot mapping")
+
+
+PACKED_LOAD_ENV = "VLLM_DSV41_PACKED_LOAD"
+
+
+def packed_load() -> bool:
+    """``VLLM_DSV41_PACKED_LOAD`` (default ``1``): :meth:`StaticStep.load` refills its buffers with one copy per flat
+    buffer; ``0``: one copy per tensor (the earlier path, kept for comparison)."""
+    v = os.environ.get(PACKED_LOAD_ENV, "1").strip().lower() or "1"
+    if v not in ("0", "1", "true", "false", "on", "off", "yes", "no"):
+        raise ValueError(f"{PACKED_LOAD_ENV}={v!r}: expected 0 or 1")
+    return v in ("1", "true", "on", "yes")
+
+
+def _packed(tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device
+            ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """A flat ``dtype`` buffer on ``device`` holding a copy of each tensor, and each tensor's view of it."""
+    sizes = [t.numel() for t in tensors]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    if not tensors:
+        return flat, []
+    views = [part.view(t.shape) for part, t in zip(flat.split(sizes), tensors)]
+    for view, t in zip(views, tensors):
+        view.copy_(t)
+    return flat, views
+
+
+def _refill(flat: torch.Tensor, views: list[torch.Tensor], srcs: list[torch.Tensor], what: str) -> None:
+    """Copy ``srcs`` into ``views`` (consecutive views of ``flat``, in order) with one copy: a concatenation into
+    ``flat``; host sources through one pinned staging block when ``flat`` is on CUDA (non-blocking: the caching host
+    allocator keeps the block until the copy ran).  A source of another shape than its view is an error, not a
+    resize of the captured buffer."""
+    for view, src in zip(views, srcs):
+        if src.shape != view.shape:
+            raise ValueError(f"StaticStep.load: {what} of shape {tuple(src.shape)} for a buffer of "
+                             f"{tuple(view.shape)}")
+    if not srcs:
+        return
+    parts = [src.reshape(-1).to(flat.dtype) for src in srcs]
+    if flat.device.type == "cuda" and parts[0].device.type == "cpu":
+        staging = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        torch.cat(parts, out=staging)
+        flat.copy_(staging, non_blocking=True)
+    else:
+        torch.cat(parts, out=flat)
 
 
 class _GraphSet:
