@@ -391,8 +391,7 @@ class StaticStep(Step):
         sent with one host-to-device copy, the block tables and runner slots concatenated on the device (one kernel
         each).  Per field, each tiny copy was a launch of its own between two replays (session 21's batch-1
         profile: ~0.5 ms a step of GPU idle between them)."""
-        _refill(self._field_buf, [self._dev[k] for k in fields], [t.to(torch.int64) for t in fields.values()],
-                "step field")
+        _refill(self._field_buf, [self._dev[k] for k in fields], list(fields.values()), "step field")
         _refill(self._table_buf, [v.block_table_i32 for v, _ in pairs], [g.block_table for _, g in pairs],
                 "block table")
         slotted = [(v, g) for v, g in pairs if v.runner_slots is not None]
@@ -436,7 +435,7 @@ def _refill(flat: torch.Tensor, views: list[torch.Tensor], srcs: list[torch.Tens
                              f"{tuple(view.shape)}")
     if not srcs:
         return
-    parts = [src.reshape(-1).to(flat.dtype) for src in srcs]
+    parts = [src.reshape(-1) if src.dtype == flat.dtype else src.reshape(-1).to(flat.dtype) for src in srcs]
     if flat.device.type == "cuda" and parts[0].device.type == "cpu":
         staging = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
         torch.cat(parts, out=staging)
