@@ -20,7 +20,8 @@ norm-quantisation, ``VLLM_DSV41_FUSED_QUANT``), ``fused_quant`` (the collapses' 
 quantisation in their own launch against the op + vLLM's quantisation),
 ``sparse_attn`` (decode and prefill cases of bench_sparse_attn.py, launch configs), ``router`` (fp32 x, E 32 and
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
-(the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS).  Image torch + Triton suffice
+(the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS), ``compressor``
+(``compress_insert`` on its two routes, ``topk_select`` at decode widths).  Image torch + Triton suffice
 for all but ``dense``, ``moe_ogs``, ``ogs_flags``, ``moe_bf16`` and ``moe_fp8``.  Not collected by pytest.
 """
 
@@ -691,6 +692,37 @@ def section_router(tokens: list[int], iters: int) -> None:
                     print(f"router E={E} T={T} {vname}: {type(exc).__name__}: {str(exc)[:120]}")
 
 
+def section_compressor(tokens: list[int], iters: int) -> None:
+    """``dsv41::compress_insert`` at the real sizes (D 512, ID 128, RoPE 64), the tl.dot route (16 tokens a program)
+    against the small-row route (``compressor.SMALL_BLOCK_T``); one request's consecutive positions, so every
+    ``ratio``-th row closes a group and writes both records.  Then ``dsv41::topk_select`` (k 512) over the score widths
+    a batch-64 decode step of the bench workload sees (the context bucket over the ratio)."""
+    import pathlib
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
+    from tests.ops import test_compressor as tc
+    from vllm_dsv41.ops import compressor as cp, topk
+
+    print("\ncompress_insert, D 512, ID 128, R 64, bf16 wk; MB = rows read + records written")
+    for ratio in (1, 2):
+        for T in tokens:
+            c = tc.make_case(ratio, D=512, ID=128, R=64, P=T, start=4096, seed=T, wk_dtype=torch.bfloat16)
+            cc, ic = tc.empty_caches(c, T, "cuda")
+            args = tc.op_args(c, range(T), lambda j: j - 4096 // ratio, lambda j: j - 4096 // ratio, cc, ic, "cuda")
+            nbytes = T * ratio * 512 * 4 * (2 if ratio == 2 else 1) + (T // ratio) * (cc.shape[1] + ic.shape[1])
+            for bt in (16, cp.SMALL_BLOCK_T):
+                total, per = kernel_us(lambda: cp._compress_insert_triton(*args[:11], cc, ic, block_t=bt), iters)
+                report(f"compress_insert r={ratio} T={T} {bt} a program", nbytes, total, per)
+    print("\ntopk_select, k 512, every row sees its whole width; MB = scores read")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for T in tokens:
+        for N in (1024, 1280, 2048, 4096):
+            scores = torch.randn(T, N, device="cuda", generator=g)
+            n_vis = torch.full((T,), N, dtype=torch.int32, device="cuda")
+            total, per = kernel_us(lambda: topk._topk_select_triton(scores, n_vis, 512), iters)
+            report(f"topk_select T={T} N={N}", scores.numel() * 4, total, per)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", default=["moe", "sparse_attn", "mhc"])
@@ -730,6 +762,8 @@ def main() -> int:
             section_mhc_sweep(a.prefill, a.iters)
         elif name == "router":
             section_router(a.tokens, a.iters)
+        elif name == "compressor":
+            section_compressor(a.tokens, a.iters)
         else:
             raise SystemExit(f"unknown section {name!r}")
     return 0

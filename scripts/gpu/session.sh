@@ -20,7 +20,8 @@
 #   scripts/gpu/session.sh decide [ARGS] # both: tests, kernel times, timelines base / split / split+rows
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh quant [fast]    # the fused activation quantisations: CUDA tests, kernel times (fast path)
-#   scripts/gpu/session.sh packed [ARGS]   # StaticStep.load's packed copies: CUDA test, timelines packed / per tensor
+#   scripts/gpu/session.sh compress        # compress_insert's small-row route, StaticStep.load: CUDA tests, kernel times
+#   VARIANTS="a: b:ENV=1" scripts/gpu/session.sh variants [ARGS]   # a workload's timeline under each setting
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
 #                                          # their CUDA tests, then the FlashMLA prefill probe and their kernel times
@@ -189,19 +190,25 @@ case "${1:-}" in
         tests/gpu/test_fast_path_cuda.py > "$OUT/fast-path.log" 2>&1
       grep -E "passed|failed|FAILED|Error|median|prompt" "$OUT/fast-path.log" | cut -c1-200 | tail -14
     fi ;;
-  packed)
-    # session 22: StaticStep.load's packed copies (VLLM_DSV41_PACKED_LOAD): its CUDA test, then one workload's
-    # timeline (the rest of the arguments; default batch 64) packed / per tensor, twice each, alternating; the first
-    # timeline on a fresh machine compiles, so it has the longer limit
+  compress)
+    # session 22: compress_insert's small-row route and StaticStep.load's packed copies: CUDA tests, then the
+    # compressor's and topk_select's kernel times at decode sizes
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_compressor.py tests/attention/test_static_step.py \
+      > "$OUT/compress-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/compress-tests.log" | tail -8
+    (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only compressor --tokens 1 16 64 256) \
+      > "$OUT/compress-times.log" 2>&1
+    grep -E "^(compress_insert|topk_select)" "$OUT/compress-times.log" | cut -c1-170 ;;
+  variants)
+    # one workload's timeline (the rest of the arguments; default batch 64) under each of VARIANTS, space-separated
+    # name:ENV=VALUE,ENV=VALUE entries ("name:" for the defaults), each under LIMIT seconds (default 120; a fresh
+    # machine's first timeline compiles for ~130 s more)
     shift
-    timeout 60 python3 -m pytest -q -p no:cacheprovider tests/attention/test_static_step.py > "$OUT/packed-tests.log" 2>&1
-    grep -E "passed|failed|FAILED|Error" "$OUT/packed-tests.log" | tail -4
-    limit=240 i=0
-    for p in 1 0 1 0; do
-      i=$((i + 1)) log="$OUT/timeline-$i-packed$p.log"
-      VLLM_DSV41_PACKED_LOAD=$p timeout $limit python3 scripts/gpu/step_timeline.py /tmp/bench "$@" > "$log" 2>&1
-      echo "packed $p: $(grep -E '^(timed run|decode  )' "$log" | tr -s ' ' | tr '\n' ' ')"
-      limit=120
+    for v in ${VARIANTS:?name:ENV=VALUE,... entries}; do
+      name=${v%%:*} envs=${v#*:}
+      env ${envs//,/ } timeout "${LIMIT:-120}" python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
+        > "$OUT/timeline-$name.log" 2>&1
+      echo "$name ($envs): $(grep -E '^(timed run|prefill |decode  )' "$OUT/timeline-$name.log" | tr -s ' ' | tr '\n' ' ')"
     done ;;
   timeline)
     shift

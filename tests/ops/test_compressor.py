@@ -7,6 +7,7 @@ the interpreter run; the pytest case below starts it.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -249,8 +250,9 @@ def check_encoders(W: int, n_random: int, device="cpu") -> None:
         assert not bad, f"{kind} W={W}: rows {bad[:8]} differ, first: {x[bad[0]].tolist()}"
 
 
-def run_kernel_case(c: dict, chunks: list[range], cs, ks, n_slots: int, device="cpu") -> dict:
-    """Triton and reference over the same chunks; returns caches and the kernel's floats."""
+def run_kernel_case(c: dict, chunks: list[range], cs, ks, n_slots: int, device="cpu", block_t=None) -> dict:
+    """Triton and reference over the same chunks; returns caches and the kernel's floats.  ``block_t``: tokens per
+    program (None: the launch's own choice, ``cp.block_rows``)."""
     cc_r, ic_r = empty_caches(c, n_slots, device)
     cc_t, ic_t = empty_caches(c, n_slots, device)
     zs, ks_, live = [], [], []
@@ -259,7 +261,7 @@ def run_kernel_case(c: dict, chunks: list[range], cs, ks, n_slots: int, device="
         cp.compress_insert_ref(*args)
         z = torch.full((len(ch), c["D"]), float("nan"), device=device)
         k = torch.full((len(ch), c["ID"]), float("nan"), device=device)
-        cp._compress_insert_triton(*args[:11], cc_t, ic_t, float_out=(z, k))
+        cp._compress_insert_triton(*args[:11], cc_t, ic_t, float_out=(z, k), block_t=block_t)
         zs.append(z)
         ks_.append(k)
         pos = args[2]
@@ -287,11 +289,11 @@ def oracle_floats(c: dict, rows_idx: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def check_kernel_case(name: str, c: dict, chunks: list[range], cs, ks, n_slots: int, device="cpu",
-                      min_equal: float = 0.97) -> str:
+                      min_equal: float = 0.97, block_t=None) -> str:
     """(1) the kernel's bytes are formats.encode_* of the kernel's own floats, exactly;
     (2) its floats match the reference formula; (3) its bytes match the reference op's except for
     rare E2M1 decision-point crossings; (4) nothing else is written."""
-    out = run_kernel_case(c, chunks, cs, ks, n_slots, device)
+    out = run_kernel_case(c, chunks, cs, ks, n_slots, device, block_t)
     r = c["ratio"]
     live = out["live"].cpu()
     rows_idx = live.nonzero().flatten()
@@ -383,13 +385,15 @@ def _interpreter_main() -> int:
     except AssertionError as e:
         failed += 1
         print(f"FAIL encoders: {e}")
-    for name, kw, chunks, cs, ks, n_slots in _INTERP_CASES:
+    # every case on the tl.dot route (16 tokens a program) and on the small-row route (products and a sum)
+    for (name, kw, chunks, cs, ks, n_slots), block_t in itertools.product(_INTERP_CASES, (16, cp.SMALL_BLOCK_T)):
         if "farpos" in name and not exact_fma:
             print(f"skip {name}: this interpreter's tl.fma rounds twice (the CUDA tests cover far positions)")
             continue
+        name = f"{name}/bt{block_t}"
         t0 = time.perf_counter()
         try:
-            msg = check_kernel_case(name, make_case(**kw), chunks, cs, ks, n_slots)
+            msg = check_kernel_case(name, make_case(**kw), chunks, cs, ks, n_slots, block_t=block_t)
             print(f"  ok {name}: {msg} ({time.perf_counter() - t0:.1f} s)")
         except AssertionError as e:
             failed += 1
@@ -399,6 +403,42 @@ def _interpreter_main() -> int:
 
 def test_triton_interpreter():
     run_under_interpreter(["-m", "tests.ops.test_compressor", "--interpret"])
+
+
+def test_tokens_per_program_switch(monkeypatch):
+    """Small launches take the small-row route, large ones tl.dot; ``VLLM_DSV41_COMPRESS_SMALL_ROWS`` moves the
+    limit (0: tl.dot always) and names itself when misspelt."""
+    monkeypatch.delenv(cp.SMALL_ROWS_ENV, raising=False)
+    assert [cp.block_rows(T) for T in (1, 64, cp.SMALL_ROWS, cp.SMALL_ROWS + 1)] == [2, 2, 2, 16]
+    monkeypatch.setenv(cp.SMALL_ROWS_ENV, "0")
+    assert cp.block_rows(1) == 16
+    monkeypatch.setenv(cp.SMALL_ROWS_ENV, "lots")
+    with pytest.raises(ValueError, match="VLLM_DSV41_COMPRESS_SMALL_ROWS='lots'"):
+        cp.block_rows(1)
+
+
+@pytest.mark.parametrize("block_t", [16, cp.SMALL_BLOCK_T])
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_kernel_builds_for_sm90_without_spills(block_t, ratio):
+    """Both routes of the fused kernel at the real sizes (D 512, ID 128, R 64) compile for Hopper without spills (the
+    small-row route's products and sum hold a [2, 128, 64] tile in registers).  Both keep a 32-byte stack frame on
+    this Triton (3.9 here, its ptxas), the tl.dot route since it was written; more would be spilled registers."""
+    from tests.ops.conftest import sm90_build
+
+    kernel, _ = cp._kernels()
+    ptrs = ("kv_ptr", "prev_ptr", "pos_ptr", "cslot_ptr", "islot_ptr", "norm_ptr", "wk_ptr", "knorm_ptr", "freq_ptr",
+            "ccache_ptr", "icache_ptr", "zdbg_ptr", "kdbg_ptr")
+    types = ("*fp32", "*fp32", "*i64", "*i64", "*i64", "*fp32", "*bf16", "*fp32", "*fp32", "*u8", "*u8", "*fp32",
+             "*fp32")
+    sig = dict(zip(ptrs, types))
+    sig.update({n: "i32" for n in ("T", "stride_kv", "stride_prev", "stride_wk_o", "stride_wk_i", "stride_cc",
+                                   "stride_ic")})
+    sig["eps"] = "fp32"
+    const = dict(RATIO=ratio, D=512, ID=128, R=64, BLOCK_T=block_t, BLOCK_D=64, STORE_FLOATS=False)
+    sig.update({k: "constexpr" for k in const})
+    got = sm90_build(kernel, sig, const, 8)
+    print(f"compress_insert ratio {ratio}, {block_t} tokens a program: {got}")
+    assert got["stack"] <= 32
 
 
 # --------------------------------------------------------------------------- CUDA, real sizes
@@ -411,15 +451,17 @@ def test_cuda_encoders_exact():
 
 
 @requires_cuda
+@pytest.mark.parametrize("block_t", [None, 16, 2])
 @pytest.mark.parametrize("ratio", [1, 2])
 @pytest.mark.parametrize("P", [1, 64, 1000])
-def test_cuda_real_sizes(ratio, P):
+def test_cuda_real_sizes(ratio, P, block_t):
     start = 1_000_000 - P  # far positions (the RoPE angle reduction matters); the last token closes
     c = make_case(ratio, D=512, ID=128, R=64, P=P, start=start, seed=P + ratio, wk_dtype=torch.bfloat16)
     chunks = [range(0, P)] if P < 64 else [range(0, P // 2 + 1), range(P // 2 + 1, P)]
     base = start // ratio
     comp_slot = lambda j: -1 if (j - base) % 5 == 3 else j - base  # noqa: E731  (some entries skip the KV write)
-    msg = check_kernel_case(f"r{ratio}-P{P}", c, chunks, comp_slot, lambda j: j - base, P // ratio + 2, device="cuda")
+    msg = check_kernel_case(f"r{ratio}-P{P}", c, chunks, comp_slot, lambda j: j - base, P // ratio + 2, device="cuda",
+                            block_t=block_t)
     print(msg)
 
 

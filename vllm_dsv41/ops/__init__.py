@@ -11,6 +11,7 @@ without Triton (CPU wheels): Triton is imported only inside the CUDA implementat
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -39,3 +40,16 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def env_rows(env: str, default: int) -> int:
+    """A row count >= 0 from ``env`` (unset or empty: ``default``; 0 conventionally "never"); anything else fails
+    naming the variable and its value."""
+    v = os.environ.get(env, "").strip()
+    try:
+        n = int(v) if v else default
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{env}={v!r}: expected a row count >= 0 (0 = never)")
+    return n

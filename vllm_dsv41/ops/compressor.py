@@ -44,7 +44,7 @@ import functools
 import torch
 
 from vllm_dsv41 import formats
-from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops import define_op, env_rows
 from vllm_dsv41.ops._triton import ROW_COUNT_ARGS
 from vllm_dsv41.reference.model import apply_rope, rms_norm
 
@@ -234,8 +234,13 @@ def _latent_chunk(acc, d0, kv_ptr, prev_ptr, rows, live, wc, cslot, rstd, ent, n
     x = _pooled_chunk(kv_ptr, prev_ptr, rows, live, dd, stride_kv, stride_prev, RATIO, D)
     z = x * rstd[:, None] * tl.load(norm_ptr + dd).to(tl.float32)[None, :]
     kk = tl.arange(0, ID)
-    wkt = tl.load(wk_ptr + kk[None, :] * stride_wk_o + dd[:, None] * stride_wk_i).to(tl.float32)  # [BD, ID]
-    acc = tl.dot(z, wkt, acc, input_precision="ieee")
+    if BLOCK_T >= 16:
+        wkt = tl.load(wk_ptr + kk[None, :] * stride_wk_o + dd[:, None] * stride_wk_i).to(tl.float32)  # [BD, ID]
+        acc = tl.dot(z, wkt, acc, input_precision="ieee")
+    else:  # too few rows for an MMA tile: products and a sum along the channels (exact products, fp32 sums in
+        # another order)
+        wk = tl.load(wk_ptr + kk[:, None] * stride_wk_o + dd[None, :] * stride_wk_i).to(tl.float32)  # [ID, BD]
+        acc += tl.sum(z[:, None, :] * wk[None, :, :], axis=2)
     a, b = tl.split(tl.reshape(z, [BLOCK_T, BLOCK_D // 16, 8, 2]))
     gi = tl.arange(0, BLOCK_D // 16)
     pair = d0 // 2 + gi[:, None] * 8 + tl.arange(0, 8)[None, :]  # [G, 8] global pair index
@@ -365,7 +370,19 @@ def _kernels():
     return module["_compress_insert_kernel"], module["_encode_records_kernel"]
 
 
-_BLOCK_T = 16  # tokens per program (tl.dot needs >= 16 rows)
+_BLOCK_T = 16  # tokens per program on the tl.dot route (tl.dot needs >= 16 rows)
+SMALL_BLOCK_T = 2
+"""Tokens per program up to :data:`SMALL_ROWS` rows: the wk projection as products and a sum instead of ``tl.dot``,
+so a decode step's rows spread over many programs (batch 64: 32 instead of 4; each program's chain of chunks is as
+long either way, so fewer rows per program is what shortens the launch)."""
+SMALL_ROWS_ENV = "VLLM_DSV41_COMPRESS_SMALL_ROWS"
+SMALL_ROWS = 256
+
+
+def block_rows(T: int) -> int:
+    """Tokens per program for a launch over ``T`` rows: :data:`SMALL_BLOCK_T` up to ``VLLM_DSV41_COMPRESS_SMALL_ROWS``
+    rows (default :data:`SMALL_ROWS`; 0: always the tl.dot route, the earlier launch, for comparison)."""
+    return SMALL_BLOCK_T if T <= env_rows(SMALL_ROWS_ENV, SMALL_ROWS) else _BLOCK_T
 
 
 def _pow2(n: int) -> bool:
@@ -377,10 +394,11 @@ def _compress_insert_triton(kv_score: torch.Tensor, prev: torch.Tensor | None, p
                             inv_freq: torch.Tensor, comp_slots: torch.Tensor, idx_slots: torch.Tensor,
                             comp_cache: torch.Tensor, idx_cache: torch.Tensor, *,
                             float_out: tuple[torch.Tensor, torch.Tensor] | None = None, block_d: int = 64,
-                            num_warps: int = 8) -> None:
+                            num_warps: int = 8, block_t: int | None = None) -> None:
     """Launch the fused kernel.  ``float_out = (z_rot [T, D], k [T, ID])`` fp32 receives the rotated
     floats the kernel quantised (rows it wrote), so tests can check the encode step byte for byte.
-    ``block_d``: latent channels per step (a multiple of 16)."""
+    ``block_d``: latent channels per step (a multiple of 16); ``block_t``: tokens per program (a power of two;
+    default :func:`block_rows`)."""
     _check_args(kv_score, prev, ratio, norm_weight, wk, k_norm_weight, inv_freq, comp_cache, idx_cache)
     D, ID, R = norm_weight.numel(), k_norm_weight.numel(), 2 * inv_freq.numel()
     if not (_pow2(D) and D >= 16 and _pow2(ID) and ID >= 32):
@@ -397,14 +415,17 @@ def _compress_insert_triton(kv_score: torch.Tensor, prev: torch.Tensor | None, p
         prev = kv_score  # never read for ratio 1
     zdbg, kdbg = float_out if float_out is not None else (kv_score, kv_score)
     block_d = min(block_d, D)
-    grid = ((T + _BLOCK_T - 1) // _BLOCK_T,)
+    block_t = block_t or block_rows(T)
+    if not _pow2(block_t):
+        raise ValueError(f"compress_insert (Triton): block_t={block_t} must be a power of two")
+    grid = ((T + block_t - 1) // block_t,)
     kernel[grid](
         kv_score, prev, positions.contiguous(), comp_slots.contiguous(), idx_slots.contiguous(),
         norm_weight.contiguous(), wk, k_norm_weight.contiguous(), inv_freq.float().contiguous(),
         comp_cache, idx_cache, zdbg, kdbg,
         T, float(eps),
         kv_score.stride(0), prev.stride(0), wk.stride(0), wk.stride(1), comp_cache.stride(0), idx_cache.stride(0),
-        RATIO=ratio, D=D, ID=ID, R=R, BLOCK_T=_BLOCK_T, BLOCK_D=block_d, STORE_FLOATS=float_out is not None,
+        RATIO=ratio, D=D, ID=ID, R=R, BLOCK_T=block_t, BLOCK_D=block_d, STORE_FLOATS=float_out is not None,
         num_warps=num_warps,
     )
 

@@ -94,7 +94,7 @@ from types import SimpleNamespace
 import torch
 
 from vllm_dsv41 import formats
-from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops import define_op, env_rows
 from vllm_dsv41.ops._triton import ROW_COUNT_ARGS, interpreting, sm_count
 from vllm_dsv41.reference.model import sinkhorn
 
@@ -513,14 +513,7 @@ def split_rows() -> int:
     64; 0 = never): ``mhc_collapse`` / ``mhc_post_collapse`` before the sublayer, ``mhc_coeffs`` beside it on the
     side stream (``model_executor/overlap.py``).  The sublayer needs only x, which the previous boundary's pre-mix
     coefficients give; this boundary's own coefficients are first read at its post-mix."""
-    v = os.environ.get(SPLIT_ROWS_ENV, "")
-    try:
-        n = int(v) if v else SPLIT_ROWS_DEFAULT
-    except ValueError:
-        raise ValueError(f"{SPLIT_ROWS_ENV}={v!r}: expected a row count (0 = never)") from None
-    if n < 0:
-        raise ValueError(f"{SPLIT_ROWS_ENV}={v!r}: expected a row count >= 0 (0 = never)")
-    return n
+    return env_rows(SPLIT_ROWS_ENV, SPLIT_ROWS_DEFAULT)
 
 
 def _stream_config(T: int, H: int, fuse_post: bool, device: torch.device) -> dict:
