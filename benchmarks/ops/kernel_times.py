@@ -696,7 +696,8 @@ def section_compressor(tokens: list[int], iters: int) -> None:
     """``dsv41::compress_insert`` at the real sizes (D 512, ID 128, RoPE 64), the tl.dot route (16 tokens a program)
     against the small-row route (``compressor.SMALL_BLOCK_T``); one request's consecutive positions, so every
     ``ratio``-th row closes a group and writes both records.  Then ``dsv41::topk_select`` (k 512) over the score widths
-    a batch-64 decode step of the bench workload sees (the context bucket over the ratio)."""
+    a batch-64 decode step of the bench workload sees (the context bucket over the ratio), the register route (4- and
+    8-bit digits) against the candidate compaction."""
     import pathlib
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
@@ -716,11 +717,15 @@ def section_compressor(tokens: list[int], iters: int) -> None:
     print("\ntopk_select, k 512, every row sees its whole width; MB = scores read")
     g = torch.Generator(device="cuda").manual_seed(0)
     for T in tokens:
-        for N in (1024, 1280, 2048, 4096):
+        for N in (1024, 1280, 2048, 4096, 16384):
             scores = torch.randn(T, N, device="cuda", generator=g)
             n_vis = torch.full((T,), N, dtype=torch.int32, device="cuda")
-            total, per = kernel_us(lambda: topk._topk_select_triton(scores, n_vis, 512), iters)
-            report(f"topk_select T={T} N={N}", scores.numel() * 4, total, per)
+            variants = [("registers", {}), ("registers 8-bit", {"REG_BITS": 8}), ("compaction", {"IN_REGS": False})]
+            for vname, cfg in variants:
+                if N > topk.REG_MAX_N and vname != "compaction":
+                    continue
+                total, per = kernel_us(lambda: topk._topk_select_triton(scores, n_vis, 512, config=cfg), iters)
+                report(f"topk_select T={T} N={N} {vname}", scores.numel() * 4, total, per)
 
 
 def main() -> int:

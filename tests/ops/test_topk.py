@@ -142,17 +142,26 @@ def test_fake_impls():
 
 # name: (op, T, N, topk or (block, n_blocks), kind, config override or None).  Between them the
 # cases take every branch of _select_row: tau = theta (gather from the row), radix over the
-# compacted candidates, and the whole-row fallback (a small CAP), with 1..8 persistent programs.
+# compacted candidates, and the whole-row fallback (a small CAP), with 1..8 persistent programs
+# (``IN_REGS`` False: these widths would otherwise take the register route); and the register route
+# (``_select_row_in_registers``, the default up to ``REG_MAX_N``) on every kind of row, with 4- and 8-bit digits.
+_OLD = {"IN_REGS": False}
 INTERPRET_CASES = {
-    "topk-T5-N1501-k64-ties": ("topk", 5, 1501, 64, "ties", None),
+    "topk-T5-N1501-k64-ties": ("topk", 5, 1501, 64, "ties", _OLD),
     "topk-T5-N1201-k64-relu-block256-candbits8": ("topk", 5, 1201, 64, "relu",
-                                                  {"BLOCK": 256, "CAND_BITS": 8, "CAND_BLOCK": 256}),
-    "topk-T5-N1000-k100-neginf": ("topk", 5, 1000, 100, "neginf", None),
-    "topk-T4-N1500-k512-distinct-block512": ("topk", 4, 1500, 512, "distinct", {"BLOCK": 512}),
-    "topk-T4-N40-k64-short": ("topk", 4, 40, 64, "ties", None),
-    "topk-T5-N1201-k64-ties-rowpath": ("topk", 5, 1201, 64, "ties", {"CAP": 100, "PROGRAMS": 2}),
+                                                  {"BLOCK": 256, "CAND_BITS": 8, "CAND_BLOCK": 256, **_OLD}),
+    "topk-T5-N1000-k100-neginf": ("topk", 5, 1000, 100, "neginf", _OLD),
+    "topk-T4-N1500-k512-distinct-block512": ("topk", 4, 1500, 512, "distinct", {"BLOCK": 512, **_OLD}),
+    "topk-T4-N40-k64-short": ("topk", 4, 40, 64, "ties", _OLD),
+    "topk-T5-N1201-k64-ties-rowpath": ("topk", 5, 1201, 64, "ties", {"CAP": 100, "PROGRAMS": 2, **_OLD}),
     "topk-T5-N800-k50-distinct-rowpath-bits4": ("topk", 5, 800, 50, "distinct",
-                                                {"CAP": 60, "ROW_BITS": 4, "PROGRAMS": 3}),
+                                                {"CAP": 60, "ROW_BITS": 4, "PROGRAMS": 3, **_OLD}),
+    "topk-regs-T5-N1501-k64-ties": ("topk", 5, 1501, 64, "ties", None),
+    "topk-regs-T5-N1201-k64-relu": ("topk", 5, 1201, 64, "relu", None),
+    "topk-regs-T5-N1000-k100-neginf-programs2": ("topk", 5, 1000, 100, "neginf", {"PROGRAMS": 2}),
+    "topk-regs-T4-N1280-k512-distinct": ("topk", 4, 1280, 512, "distinct", None),
+    "topk-regs-T4-N2048-k512-ties-bits8": ("topk", 4, 2048, 512, "ties", {"REG_BITS": 8}),
+    "topk-regs-T4-N40-k64-short": ("topk", 4, 40, 64, "ties", None),
     "cand-T5-N2003-b8-nb64-relu": ("cand", 5, 2003, (8, 64), "relu", None),
     "cand-T5-N1200-b4-nb100-ties-block256": ("cand", 5, 1200, (4, 100), "ties", {"BLOCK": 256}),
     "cand-T4-N1200-b8-nb40-neginf": ("cand", 4, 1200, (8, 40), "neginf", None),
@@ -193,11 +202,48 @@ def test_triton_interpreted(interpreted, case, variant):
     assert torch.equal(got, ref), f"{case}: rows {(got != ref).any(1).nonzero().flatten().tolist()} differ"
 
 
+def test_register_route_switch(monkeypatch):
+    """Rows up to 4,096 wide take the register route by default; ``VLLM_DSV41_TOPK_REGISTER_WIDTH`` narrows it (0:
+    never) and cannot widen it past the tile the route was built for; a misspelt value names itself."""
+    def route(n):
+        return topk_mod._resolve_in_regs(topk_mod._select_config(n, 512), n)["IN_REGS"]
+
+    monkeypatch.delenv(topk_mod.REG_WIDTH_ENV, raising=False)
+    assert [route(n) for n in (600, 2048, 4096, 4097)] == [True, True, True, False]
+    monkeypatch.setenv(topk_mod.REG_WIDTH_ENV, "0")
+    assert not route(600)
+    monkeypatch.setenv(topk_mod.REG_WIDTH_ENV, "1 << 20")
+    with pytest.raises(ValueError, match="VLLM_DSV41_TOPK_REGISTER_WIDTH"):
+        route(600)
+    monkeypatch.setenv(topk_mod.REG_WIDTH_ENV, str(1 << 20))
+    assert not route(8192)
+
+
+@pytest.mark.parametrize("n,bits", [(2048, 4), (4096, 4), (4096, 8)])
+def test_register_route_builds_for_sm90_without_spills(n, bits):
+    """The register route at its widest tiles compiles for Hopper with the row in registers, nothing spilled."""
+    from tests.ops.conftest import sm90_build
+
+    cfg = topk_mod._resolve_in_regs(topk_mod._select_config(n, 512), n)
+    cfg["REG_BITS"] = bits
+    args = topk_mod._launch_args(cfg)
+    num_warps = args.pop("num_warps")
+    sig = {"scores_ptr": "*fp32", "nvis_ptr": "*i32", "out_ptr": "*i32", "cand_key_ptr": "*i32",
+           "cand_idx_ptr": "*i32"}
+    sig.update({name: "i32" for name in ("T", "N", "topk", "cap", "stride_s", "stride_o", "stride_c")})
+    const = dict(args, OUT_BLOCK=512)
+    sig.update({name: "constexpr" for name in const})
+    got = sm90_build(topk_mod._topk_select_kernel, sig, const, num_warps)
+    print(f"topk_select register route, N {n}, {bits}-bit digits: {got}")
+    assert got["stack"] == 0
+
+
 # --------------------------------------------------------------------------- (c) CUDA
 
 
 @requires_cuda
-@pytest.mark.parametrize("T,N", [(64, 4096), (33, 65536 + 37), (4, 1 << 20), (1, 300_001)],
+@pytest.mark.parametrize("T,N", [(64, 1280), (64, 2048), (7, 4096), (64, 4097), (33, 65536 + 37), (4, 1 << 20),
+                                 (1, 300_001)],
                          ids=lambda v: str(v))
 @pytest.mark.parametrize("kind", KINDS)
 def test_cuda_topk_select(T, N, kind):

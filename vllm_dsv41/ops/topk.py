@@ -49,6 +49,11 @@ the scratch is per program), an exact select on the float bit pattern:
 * So a row is read from memory twice (passes A and B; three times when tau = theta), and the
   costly histograms (about three warp instructions per key for 256 bins) only touch candidates.
   Row loops are software-pipelined (``tl.range(num_stages=STAGES)``, cp.async into shared memory).
+* Register route (the default for rows up to ``REG_MAX_N`` = 4,096 wide, ``IN_REGS``): the row is one tile, loaded
+  once; the radix passes (``REG_BITS`` = 4) histogram that tile in registers and the gather scans it, so a row costs
+  one read and 8 histograms of at most 4,096 keys, with no scratch and no barriers on global memory.  A batch-64
+  decode step's rows are 550-1,280 entries in 1,024-2,048 columns (bench workload), which the compaction path above
+  took 28-33 µs for (session 21 profile; pass A, pass B, the candidate radix and the gather each a loop over memory).
 * ``candidate_blocks`` first writes the per-block maxima as keys (the pinned block gets the key of
   +inf) to a per-program scratch row, then runs the same select over the nvb = ceil(n_vis /
   block_size) block keys with G = n_blocks classes.
@@ -61,7 +66,7 @@ the scratch is per program), an exact select on the float bit pattern:
 import torch
 import torch.nn.functional as F
 
-from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops import define_op, env_rows
 
 from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, tl, triton
 from vllm_dsv41.reference.model import top_indices as _top_indices
@@ -151,28 +156,27 @@ def _load_keys(src_ptr, offs, ok, IS_KEY: tl.constexpr):
 
 
 @triton.jit
-def _radix_pass(src_ptr, n, prefix, k_rem, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
-                NBINS: tl.constexpr, FIRST: tl.constexpr, IS_KEY: tl.constexpr, BLOCK: tl.constexpr,
-                STAGES: tl.constexpr):
-    """Histogram the WIDTH-bit digit at SHIFT of the keys whose higher bits equal ``prefix``;
-    return the prefix extended by the digit that holds the k_rem-th largest of them, and how many
-    are still needed inside that digit."""
+def _tile_hist(key, ok, prefix, SHIFT: tl.constexpr, WIDTH: tl.constexpr, NBINS: tl.constexpr,
+               FIRST: tl.constexpr):
+    """Histogram [NBINS] of the WIDTH-bit digit at SHIFT of the keys of one tile (lanes ``ok``) whose higher bits
+    equal ``prefix``."""
+    if FIRST:
+        match = ok
+        digit = (key >> SHIFT) + (1 << (WIDTH - 1))  # signed top digit -> 0 .. 2^WIDTH - 1
+    else:
+        match = ok & ((key & (-(1 << (SHIFT + WIDTH)))) == prefix)
+        digit = (key >> SHIFT) & ((1 << WIDTH) - 1)
+    # non-matching lanes are counted in bin 0, then taken out again
+    hist = tl.histogram(tl.where(match, digit, 0), NBINS)
+    return hist - tl.where(tl.arange(0, NBINS) == 0, tl.sum(tl.where(match, 0, 1)), 0)
+
+
+@triton.jit
+def _pick_digit(hist, prefix, k_rem, SHIFT: tl.constexpr, WIDTH: tl.constexpr, NBINS: tl.constexpr,
+                FIRST: tl.constexpr):
+    """The prefix extended by the digit that holds the k_rem-th largest key of ``hist``, and how many are still
+    needed inside that digit."""
     bins = tl.arange(0, NBINS)
-    hist = tl.zeros([NBINS], tl.int32)
-    missed = tl.zeros([BLOCK], tl.int32)  # non-matching lanes are counted in bin 0, removed below
-    for start in tl.range(0, n, BLOCK, num_stages=STAGES):
-        offs = start + tl.arange(0, BLOCK)
-        ok = offs < n
-        key = _load_keys(src_ptr, offs, ok, IS_KEY)
-        if FIRST:
-            match = ok
-            digit = (key >> SHIFT) + (1 << (WIDTH - 1))  # signed top digit -> 0 .. 2^WIDTH - 1
-        else:
-            match = ok & ((key & (-(1 << (SHIFT + WIDTH)))) == prefix)
-            digit = (key >> SHIFT) & ((1 << WIDTH) - 1)
-        hist += tl.histogram(tl.where(match, digit, 0), NBINS)
-        missed += tl.where(match, 0, 1)
-    hist -= tl.where(bins == 0, tl.sum(missed), 0)
     at_least = tl.sum(hist) - tl.cumsum(hist, 0) + hist  # keys whose digit is >= bin
     digit = tl.sum((at_least >= k_rem).to(tl.int32)) - 1
     above = tl.sum(tl.where(bins > digit, hist, 0))
@@ -181,6 +185,21 @@ def _radix_pass(src_ptr, n, prefix, k_rem, SHIFT: tl.constexpr, WIDTH: tl.conste
     else:
         prefix = prefix | (digit << SHIFT)
     return prefix, k_rem - above
+
+
+@triton.jit
+def _radix_pass(src_ptr, n, prefix, k_rem, SHIFT: tl.constexpr, WIDTH: tl.constexpr,
+                NBINS: tl.constexpr, FIRST: tl.constexpr, IS_KEY: tl.constexpr, BLOCK: tl.constexpr,
+                STAGES: tl.constexpr):
+    """Histogram the WIDTH-bit digit at SHIFT of the keys whose higher bits equal ``prefix``;
+    return the prefix extended by the digit that holds the k_rem-th largest of them, and how many
+    are still needed inside that digit."""
+    hist = tl.zeros([NBINS], tl.int32)
+    for start in tl.range(0, n, BLOCK, num_stages=STAGES):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < n
+        hist += _tile_hist(_load_keys(src_ptr, offs, ok, IS_KEY), ok, prefix, SHIFT, WIDTH, NBINS, FIRST)
+    return _pick_digit(hist, prefix, k_rem, SHIFT, WIDTH, NBINS, FIRST)
 
 
 @triton.jit
@@ -197,6 +216,19 @@ def _radix_threshold(src_ptr, n, k, IS_KEY: tl.constexpr, BLOCK: tl.constexpr,
 
 
 @triton.jit
+def _gather_tile(key, ok, idx, tau, k_eq, dst_ptr, n_out, n_eq):
+    """One tile of :func:`_gather`: write ``idx`` of every key > tau and of the tau-keys whose rank among all
+    tau-keys so far (``n_eq`` before this tile) is below k_eq, at output slots from ``n_out`` on; returns the
+    updated (n_out, n_eq)."""
+    eq = (ok & (key == tau)).to(tl.int32)
+    eq_rank = n_eq + tl.cumsum(eq, 0) - eq
+    take = ((ok & (key > tau)) | ((eq != 0) & (eq_rank < k_eq))).to(tl.int32)
+    pos = n_out + tl.cumsum(take, 0) - take
+    tl.store(dst_ptr + pos, idx, mask=take != 0)
+    return n_out + tl.sum(take), n_eq + tl.sum(eq)
+
+
+@triton.jit
 def _gather(key_ptr, idx_ptr, n, tau, k_eq, dst_ptr, IS_KEY: tl.constexpr, HAS_IDX: tl.constexpr,
             BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """Scan src[0:n] in order; write the index of every key > tau and of the first k_eq keys == tau
@@ -208,17 +240,27 @@ def _gather(key_ptr, idx_ptr, n, tau, k_eq, dst_ptr, IS_KEY: tl.constexpr, HAS_I
         offs = start + tl.arange(0, BLOCK)
         ok = offs < n
         key = _load_keys(key_ptr, offs, ok, IS_KEY)
-        eq = (ok & (key == tau)).to(tl.int32)
-        eq_rank = n_eq + tl.cumsum(eq, 0) - eq
-        take = ((ok & (key > tau)) | ((eq != 0) & (eq_rank < k_eq))).to(tl.int32)
-        pos = n_out + tl.cumsum(take, 0) - take
         if HAS_IDX:
-            idx = tl.load(idx_ptr + offs, mask=take != 0, other=0)
+            idx = tl.load(idx_ptr + offs, mask=ok, other=0)
         else:
             idx = offs
-        tl.store(dst_ptr + pos, idx, mask=take != 0)
-        n_out += tl.sum(take)
-        n_eq += tl.sum(eq)
+        n_out, n_eq = _gather_tile(key, ok, idx, tau, k_eq, dst_ptr, n_out, n_eq)
+
+
+@triton.jit
+def _select_row_in_registers(src_ptr, n, k, dst_ptr, BLOCK: tl.constexpr, BITS: tl.constexpr,
+                             NBINS: tl.constexpr):
+    """:func:`_select_row` for a row that fits one tile (n <= BLOCK): the keys are loaded once and stay in
+    registers through the 32 / BITS counting passes and the gather (no scratch, no second read)."""
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    key = _float_key(tl.load(src_ptr + offs, mask=ok, other=float("-inf")))
+    tau = 0
+    k_eq = k
+    for p in tl.static_range(32 // BITS):
+        hist = _tile_hist(key, ok, tau, 32 - (p + 1) * BITS, BITS, NBINS, p == 0)
+        tau, k_eq = _pick_digit(hist, tau, k_eq, 32 - (p + 1) * BITS, BITS, NBINS, p == 0)
+    _gather_tile(key, ok, offs, tau, k_eq, dst_ptr, 0, 0)
 
 
 @triton.jit
@@ -287,8 +329,9 @@ def _topk_select_kernel(
     T, N, topk, cap, stride_s, stride_o, stride_c,
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, OUT_BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr,
     CAND_BITS: tl.constexpr, CAND_BINS: tl.constexpr, ROW_BITS: tl.constexpr, ROW_BINS: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, IN_REGS: tl.constexpr, REG_BITS: tl.constexpr, REG_BINS: tl.constexpr,
 ):
+    # IN_REGS: every row fits one tile (N <= BLOCK) and is selected in registers
     pid = tl.program_id(0)
     cand_key = cand_key_ptr + pid.to(tl.int64) * stride_c
     cand_idx = cand_idx_ptr + pid.to(tl.int64) * stride_c
@@ -299,6 +342,9 @@ def _topk_select_kernel(
         dst = out_ptr + row.to(tl.int64) * stride_o
         if n <= topk:
             _write_prefix_row(dst, n, topk, OUT_BLOCK)
+        elif IN_REGS:
+            _select_row_in_registers(scores_ptr + row.to(tl.int64) * stride_s, n, topk, dst, BLOCK, REG_BITS,
+                                     REG_BINS)
         else:
             _select_row(scores_ptr + row.to(tl.int64) * stride_s, n, topk, dst, cand_key, cand_idx,
                         cap, False, BLOCK, GROUPS, CAND_BLOCK, CAND_BITS, CAND_BINS, ROW_BITS,
@@ -351,12 +397,38 @@ def _programs(device: torch.device, T: int, per_sm: int = 2) -> int:
     return max(1, min(T, per_sm * sms))
 
 
+REG_MAX_N = 4096
+"""Widest score rows ``topk_select`` selects in registers (one tile, ``IN_REGS``): the decode steps' widths at
+contexts up to 4k (ratio 1) or 8k (ratio 2); wider rows take the candidate-compaction path."""
+REG_WIDTH_ENV = "VLLM_DSV41_TOPK_REGISTER_WIDTH"
+
+
+def register_width() -> int:
+    """``VLLM_DSV41_TOPK_REGISTER_WIDTH``: the widest rows of the register route (default :data:`REG_MAX_N`, at most
+    that; 0: never, the compaction path for every row, as before session 22)."""
+    return min(env_rows(REG_WIDTH_ENV, REG_MAX_N), REG_MAX_N)
+
+
 def _select_config(n: int, k: int) -> dict:
-    """Launch parameters for selecting k of up to n keys per row (overridable by ``config``)."""
+    """Launch parameters for selecting k of up to n keys per row (overridable by ``config``; ``IN_REGS`` None: the
+    register route when n fits :func:`register_width`)."""
     groups = triton.next_power_of_2(max(k, 1))
     block = max(groups, min(2048, max(256, triton.next_power_of_2(n))))
     return dict(BLOCK=block, GROUPS=groups, CAND_BLOCK=1024, CAND_BITS=4, ROW_BITS=8, STAGES=3,
-                CAP=min(n, max(16 * k, 16384)), PROGRAMS=None, num_warps=8 if block >= 2048 else 4)
+                CAP=min(n, max(16 * k, 16384)), PROGRAMS=None, num_warps=8 if block >= 2048 else 4,
+                IN_REGS=None, REG_BITS=4)
+
+
+def _resolve_in_regs(cfg: dict, n: int) -> dict:
+    """``cfg`` with ``IN_REGS`` decided for rows of width ``n``; the register route's tile covers the row."""
+    cfg = dict(cfg)
+    if cfg["IN_REGS"] is None:
+        cfg["IN_REGS"] = triton.next_power_of_2(max(n, 1)) <= register_width()
+    if cfg["IN_REGS"]:
+        cfg["BLOCK"] = max(cfg["GROUPS"], triton.next_power_of_2(max(n, 16)))
+        cfg["num_warps"] = 8 if cfg["BLOCK"] >= 2048 else 4
+        cfg["CAP"] = 1  # no candidate scratch
+    return cfg
 
 
 def _launch_args(cfg: dict) -> dict:
@@ -368,6 +440,9 @@ def _launch_args(cfg: dict) -> dict:
     # the Triton histogram wants at least one bin per lane of a warp
     cfg["CAND_BINS"] = max(32, 1 << cfg["CAND_BITS"])
     cfg["ROW_BINS"] = max(32, 1 << cfg["ROW_BITS"])
+    if "REG_BITS" in cfg:  # topk_select's register route (candidate_blocks has none)
+        assert 32 % cfg["REG_BITS"] == 0
+        cfg["REG_BINS"] = max(32, 1 << cfg["REG_BITS"])
     return cfg
 
 
@@ -389,6 +464,7 @@ def _topk_select_triton(scores: torch.Tensor, n_vis: torch.Tensor, topk: int,
         return out
     cfg = _select_config(N, topk)
     cfg.update(config or {})
+    cfg = _resolve_in_regs(cfg, N)
     programs = cfg["PROGRAMS"] or _programs(scores.device, T)
     cap = max(1, cfg["CAP"])
     cand = torch.empty(2, programs, cap, dtype=torch.int32, device=scores.device)
@@ -410,6 +486,7 @@ def _candidate_blocks_triton(scores: torch.Tensor, n_vis: torch.Tensor, block_si
     if T == 0 or n_blocks == 0:
         return out
     cfg = _select_config(nb, n_blocks)
+    del cfg["IN_REGS"], cfg["REG_BITS"]  # block keys are staged in scratch: no register route
     cfg.update(config or {})
     programs = cfg["PROGRAMS"] or _programs(scores.device, T)
     # scratch is only touched by rows with more than n_blocks visible blocks
