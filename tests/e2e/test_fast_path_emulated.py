@@ -124,15 +124,16 @@ def _count_ops(monkeypatch, calls: dict, counted: set[str]) -> None:
     monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
 
 
-def _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls: dict) -> tuple[tuple, tuple]:
-    """The tiny model served with ``VLLM_DSV41_FUSED_QUANT=0`` and then ``1`` (the rest of the environment as the caller
-    set it), the static decode steps under the host-read probe: per run (tokens, vocabulary logits, a copy of
-    ``calls``, zeroed before each run), and no host read inside a static step."""
+def _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls: dict,
+                                 switch_env: str = linear.FUSED_QUANT_ENV) -> tuple[tuple, tuple]:
+    """The tiny model served with ``switch_env`` (default ``VLLM_DSV41_FUSED_QUANT``) ``0`` and then ``1`` (the rest of
+    the environment as the caller set it), the static decode steps under the host-read probe: per run (tokens,
+    vocabulary logits, a copy of ``calls``, zeroed before each run), and no host read inside a static step."""
     probe = probe_static_steps(monkeypatch)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
     runs = []
     for switch in ("0", "1"):
-        monkeypatch.setenv(linear.FUSED_QUANT_ENV, switch)
+        monkeypatch.setenv(switch_env, switch)
         calls.update(dict.fromkeys(calls, 0))
         with engine(tiny_ckpt, exact=True, **kw) as llm:
             outs = _generate(llm, prompts, logits=True)
@@ -314,5 +315,38 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     # wkv], and wq_b from the fused q norm), per FFN collapse one (the shared [w1; w3]), per activation one (w2)
     assert c1["gemm_quantising"] + c1["gemm_on_rows"] == c0["gemm_quantising"] and c0["gemm_on_rows"] == 0
     assert c1["gemm_on_rows"] >= 2 * c1["mhc_collapse_quant"] + c1["mhc_post_collapse_quant"] + c1["swiglu_quant"]
+    assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
+    assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))
+
+
+def test_moe_add_in_post_on_cpu(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_MOE_ADD_IN_POST=1`` against ``0`` on the fast path's code (bf16 streams, padded static decode
+    steps and eager prefill): with 1 every FFN boundary's ``dsv41::mhc_post`` takes the MoE's routed and shared outputs
+    as two parts and the MoE adds nothing; with 0 none does.  The tokens and the logits are bitwise the same."""
+    from vllm_dsv41.model_executor import model as model_mod
+
+    monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
+    _emulate_fast_path(monkeypatch, torch.bfloat16)
+    calls = {"mhc_post": 0, "two parts": 0}
+
+    class CountedOps:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.dsv41, name)
+            if name != "mhc_post":
+                return op
+
+            def run(stream, y, post, comb, y2=None):
+                calls["mhc_post"] += 1
+                calls["two parts"] += y2 is not None
+                return op(stream, y, post, comb, y2)
+            return run
+
+    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])  # real(): registers
+    (tok0, lg0, c0), (tok1, lg1, c1) = _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls,
+                                                                    model_mod.MOE_ADD_ENV)
+    print(f"MoE add in the post-mix: {c1} against {c0}")
+    assert c0["two parts"] == 0 and c0["mhc_post"] > 0
+    assert c1["two parts"] == c1["mhc_post"] == c0["mhc_post"]
     assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))

@@ -48,6 +48,7 @@ def make_inputs(T: int, C: int, H: int, dtype: torch.dtype = torch.float32, seed
         post_prev=2.0 * torch.sigmoid(rand(T, C)),
         comb_prev=comb_prev,
     )
+    t["y2"] = rand(T, H).to(dtype)  # drawn last: the other inputs do not depend on it
     return {k: v.to(device) for k, v in t.items()}
 
 
@@ -57,6 +58,11 @@ def pre_args(t):
 
 def post_args(t):
     return (t["stream"], t["y"], t["post_prev"], t["comb_prev"])
+
+
+def post_add_args(t):
+    """``mhc_post`` with the sublayer output in two parts (y + y2: the MoE's routed and shared experts)."""
+    return (*post_args(t), t["y2"])
 
 
 def post_pre_args(t):
@@ -75,16 +81,17 @@ def coeffs_args(t):
     return (t["stream"], t["fn"], t["base"], t["scale"], EPS, HC_EPS, ITERS)
 
 
-ARGS = {"pre": pre_args, "post": post_args, "post_pre": post_pre_args, "collapse": collapse_args,
+ARGS = {"pre": pre_args, "post": post_args, "post_add": post_add_args, "post_pre": post_pre_args, "collapse": collapse_args,
         "post_collapse": post_collapse_args, "coeffs": coeffs_args, "collapse_quant": collapse_args,
         "post_collapse_quant": post_collapse_args}
-REFS = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref,
+REFS = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_add": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref,
         "collapse": mhc.mhc_collapse_ref, "post_collapse": mhc.mhc_post_collapse_ref, "coeffs": mhc.mhc_coeffs_ref,
         "collapse_quant": mhc.mhc_collapse_quant_ref, "post_collapse_quant": mhc.mhc_post_collapse_quant_ref}
-OUT_NAMES = {"pre": ("x", "pre", "post", "comb"), "post": ("stream",),
+OUT_NAMES = {"pre": ("x", "pre", "post", "comb"), "post": ("stream",), "post_add": ("stream",),
              "post_pre": ("stream", "x", "pre", "post", "comb"), "collapse": ("x",), "post_collapse": ("stream", "x"),
              "coeffs": ("pre", "post", "comb"), "collapse_quant": ("x", "codes", "scales"),
              "post_collapse_quant": ("stream", "x", "codes", "scales")}
+OP_OF = {"post_add": "post"}  # argument sets of an op under a name of their own
 QUANT_OPS = {"collapse_quant": "collapse", "post_collapse_quant": "post_collapse"}  # -> the op without the codes
 
 
@@ -113,6 +120,17 @@ def test_post_ref_equals_reference_model(T, H):
     t = make_inputs(T, 4, H)
     want = hc_post(t["stream"], t["y"], t["post_prev"], t["comb_prev"])
     torch.testing.assert_close(mhc.mhc_post_ref(*post_args(t)), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_post_ref_adds_the_second_part_first(dtype):
+    """y2 goes into y in y's dtype before the mix: the same stream as mhc_post of the summed output, so the MoE's
+    separate ``routed + shared`` can move into the post-mix bitwise; the op on CPU is the reference."""
+    t = make_inputs(5, 4, 96, dtype)
+    want = mhc.mhc_post_ref(t["stream"], t["y"] + t["y2"], t["post_prev"], t["comb_prev"])
+    assert torch.equal(mhc.mhc_post_ref(*post_add_args(t)), want)
+    assert torch.equal(torch.ops.dsv41.mhc_post(*post_add_args(t)), want)
+    assert not torch.equal(want, mhc.mhc_post_ref(*post_args(t)))  # y2 is not ignored
 
 
 @pytest.mark.parametrize("T", [1, 17])
@@ -151,7 +169,8 @@ def test_registered_ops_on_cpu_are_the_references(dtype):
 def test_fake_impls():
     t = make_inputs(3, 4, 64, torch.bfloat16)
     for name, args in ARGS.items():
-        torch.library.opcheck(getattr(torch.ops.dsv41, f"mhc_{name}"), args(t),
+        op = OP_OF.get(name, name)
+        torch.library.opcheck(getattr(torch.ops.dsv41, f"mhc_{op}"), args(t),
                               test_utils=("test_schema", "test_faketensor"))
 
 
@@ -179,6 +198,8 @@ INTERPRET_CASES = {
     "pre-T3-C2-H64-fp32-strided": ("pre", 3, 2, 64, "float32", {"block_h": 16}, True),
     "post-T3-H96-bf16": ("post", 3, 4, 96, "bfloat16", None, False),
     "post-T17-H64-fp32-bt4-strided": ("post", 17, 4, 64, "float32", {"block_t": 4, "block_h": 32}, True),
+    "post_add-T3-H96-bf16": ("post_add", 3, 4, 96, "bfloat16", None, False),
+    "post_add-T17-H64-fp32-bt4-strided": ("post_add", 17, 4, 64, "float32", {"block_t": 4, "block_h": 32}, True),
     "post_pre-T3-H96-bf16": ("post_pre", 3, 4, 96, "bfloat16", None, False),
     "post_pre-T17-H64-fp32-bt16-split1": ("post_pre", 17, 4, 64, "float32", {"block_t": 16, "split": 1}, True),
     # 40 splits: three rounds of the epilogue's EPILOGUE_SPLITS-wide reads, the last one partly masked
@@ -226,10 +247,13 @@ if _convert is not None:
 out = {}
 for name, case in t.INTERPRET_CASES.items():
     inputs, args, ref = t.interpret_case(*case)
-    fn = getattr(mhc, f"_mhc_{case[0]}_triton")
+    fn = getattr(mhc, f"_mhc_{t.OP_OF.get(case[0], case[0])}_triton")
     got = fn(*args, config=case[5])
-    # the fused ops' stream must equal mhc_post's bit for bit (same arithmetic, same order)
+    # the fused ops' stream must equal mhc_post's bit for bit (same arithmetic, same order); with y2, mhc_post's of
+    # y + y2 added beforehand
     alone = mhc._mhc_post_triton(*args[:4]) if case[0] in ("post_pre", "post_collapse", "post_collapse_quant") else None
+    if case[0] == "post_add":
+        alone = mhc._mhc_post_triton(args[0], args[1] + args[4], *args[2:4], config=case[5])
     # the quantising ops' x must equal the op's without the codes bit for bit
     plain = (getattr(mhc, f"_mhc_{t.QUANT_OPS[case[0]]}_triton")(*args, config=case[5])
              if case[0] in t.QUANT_OPS else None)
@@ -249,7 +273,7 @@ def interpret_case(op, T, C, H, dtype, config, strided):
     """Inputs, the op's argument tuple and its reference outputs (used by the interpreter runner)."""
     t = make_inputs(T, C, H, getattr(torch, dtype), seed=T * 100 + H)
     if strided:
-        t.update(stream=_strided(t["stream"]), y=_strided(t["y"]), pre_prev=_strided(t["pre_prev"]))
+        t.update(stream=_strided(t["stream"]), y=_strided(t["y"]), y2=_strided(t["y2"]), pre_prev=_strided(t["pre_prev"]))
     args = ARGS[op](t)
     ref = REFS[op](*args)
     return t, args, ref if isinstance(ref, tuple) else (ref,)
@@ -351,6 +375,17 @@ def test_cuda_fused_stream_is_bitwise_post(T):
     pre_on_new = torch.ops.dsv41.mhc_pre(fused[0], *pre_args(t)[1:])
     for name, a, b in zip(("x", "pre", "post", "comb"), pre_on_new, fused[1:]):
         assert_close(f"fused vs post+pre T={T} {name}", a, b, ratio=_ratio(a.dtype))
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 64, 2048])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_post_with_two_parts_is_post_of_their_sum(T, dtype):
+    """``mhc_post`` with y2 (the MoE's shared expert output) equals, bitwise, ``mhc_post`` of PyTorch's ``y + y2``."""
+    t = make_inputs(T, 4, 5120, dtype, seed=T, device="cuda")
+    ops = torch.ops.dsv41
+    assert torch.equal(ops.mhc_post(*post_add_args(t)),
+                       ops.mhc_post(t["stream"], t["y"] + t["y2"], t["post_prev"], t["comb_prev"]))
 
 
 @requires_cuda

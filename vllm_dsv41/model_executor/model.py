@@ -84,6 +84,19 @@ def ops_mode() -> str:
     raise ValueError(f"{OPS_ENV}={v!r}: expected auto, 1 or 0")
 
 
+MOE_ADD_ENV = "VLLM_DSV41_MOE_ADD_IN_POST"
+
+
+def moe_add_in_post() -> bool:
+    """``VLLM_DSV41_MOE_ADD_IN_POST``: ``1`` (default) hands the MoE's routed and shared outputs to the FFN boundary's
+    ``dsv41::mhc_post`` as two parts, which adds them as it reads them (one launch a layer fewer); ``0`` adds them in
+    the MoE (``routed + shared``), the earlier order.  The streams are bitwise the same either way."""
+    v = os.environ.get(MOE_ADD_ENV, "1").strip() or "1"
+    if v not in ("1", "0"):
+        raise ValueError(f"{MOE_ADD_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
 STREAMS_ENV = "VLLM_DSV41_STREAMS"
 
 
@@ -682,19 +695,22 @@ class MoE(nn.Module):
             self._x_rows_quantisable = reads_quantised_rows([w13], dtype, activation=True)
         return self._x_rows_quantisable
 
-    def forward(self, x: torch.Tensor, ops: bool = False, xq: QuantRows | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: bool = False, xq: QuantRows | None = None,
+                parts: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """x [T, H] -> [T, H]; ``xq``: x quantised per token as well (:meth:`takes_quantised_input`), for the shared
-        expert's first GEMM."""
+        expert's first GEMM.  ``parts``: (routed, shared) unsummed where the experts are stacked, for a reader that
+        adds them itself (``dsv41::mhc_post``'s y2), else (the sum, None)."""
         if self._stacked:
             # bf16 into both expert paths (one cast, none with bf16 streams) and out (the mHC post-mix reads it)
             xb = x.to(self.act_dtype)
             shared_in = xq if xq is not None else xb
             # the shared expert on a side stream beside the router and the routed experts (model_executor/overlap)
             routed, shared = beside(xb, lambda: self.shared_experts(shared_in), lambda: self._routed(x, xb, ops))
-            return routed + shared
+            return (routed, shared) if parts else routed + shared
         idx, wts = self._route(x, ops)
         y = (masked_moe if in_static_step() else loop_moe)(x, self.experts, idx, wts, self.limit)
-        return y + self.shared_experts(x)
+        y = y + self.shared_experts(x)
+        return (y, None) if parts else y
 
 
 class EngramTable(nn.Module):
@@ -780,7 +796,15 @@ class DecoderLayer(nn.Module):
                                                        step.take(comb_a, rows), self.hc_ffn_fn,
                                                        self.hc_ffn_base, self.hc_ffn_scale, step.take(pre_a, rows),
                                                        self.ffn_norm.weight, *args)
-        return ops.mhc_post(S, self.ffn(x, ops=True), post_f, comb_f), pre_f
+        f, f2 = self._ffn_parts(x)
+        return ops.mhc_post(S, f, post_f, comb_f, f2), pre_f
+
+    def _ffn_parts(self, x: torch.Tensor, xq: QuantRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The FFN's output as ``dsv41::mhc_post``'s (y, y2): the MoE's routed and shared parts, which the post-mix
+        adds (:func:`moe_add_in_post`), or their sum and None."""
+        if moe_add_in_post():
+            return self.ffn(x, ops=True, xq=xq, parts=True)
+        return self.ffn(x, ops=True, xq=xq), None
 
     def _forward_split(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
                        tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
@@ -807,10 +831,10 @@ class DecoderLayer(nn.Module):
             fq = QuantRows(*q, x.dtype)
         else:
             S, x = ops.mhc_post_collapse(*post_args)
-        f, (pre_f, post_f, comb_f) = beside(
+        (f, f2), (pre_f, post_f, comb_f) = beside(
             x, lambda: ops.mhc_coeffs(S, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *args),
-            lambda: self.ffn(x, ops=True, xq=fq), lane=1)
-        return ops.mhc_post(S, f, post_f, comb_f), pre_f
+            lambda: self._ffn_parts(x, fq), lane=1)
+        return ops.mhc_post(S, f, post_f, comb_f, f2), pre_f
 
 
 def kept_rows_host(step: Step, window: int) -> torch.Tensor:

@@ -13,6 +13,7 @@ Maths (one boundary; S is the stream [T, C, H], v = S flattened to [T, C*H] in f
     x    = RMSNorm_w(sum_j pre_prev[j] * S[j])                       [T, H]   sublayer input (delayed pre-mix)
 
     mhc_post:      S_new[t, j] = sum_i comb[t, i, j] * S[t, i] + post[t, j] * y[t]
+                   (y = y + y2 first when given: the MoE's routed and shared parts, one add fewer a layer)
     mhc_post_pre:  mhc_pre(mhc_post(S, y, post, comb), next boundary's fn/base/scale, pre_prev = pre, ...)
 
 ``mhc_post_pre`` ("Mega-mHC") is the post-mix of sublayer k followed by the pre of boundary k+1; it
@@ -144,8 +145,13 @@ def mhc_pre_ref(stream: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scal
             *mhc_coeffs_ref(stream, fn, base, scale, eps, hc_eps, iters))
 
 
-def mhc_post_ref(stream: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """stream [T, C, H], y [T, H], post [T, C], comb [T, C, C] -> new stream [T, C, H] (stream's dtype)."""
+def mhc_post_ref(stream: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 y2: torch.Tensor | None = None) -> torch.Tensor:
+    """stream [T, C, H], y [T, H], post [T, C], comb [T, C, C] -> new stream [T, C, H] (stream's dtype).  ``y2``
+    [T, H]: a second part of the sublayer output (the MoE's shared expert beside its routed experts), added to y in
+    y's dtype first, as ``y + y2`` would be."""
+    if y2 is not None:
+        y = y + y2
     mixed = torch.einsum("tij,tih->tjh", comb.float(), stream.float())
     return (mixed + post.float().unsqueeze(-1) * y.float().unsqueeze(1)).to(stream.dtype)
 
@@ -406,20 +412,23 @@ def _mhc_pre_epilogue_kernel(
 def _mhc_post_kernel(
     s_ptr,     # [T, C, H] stream before the post-mix
     y_ptr,     # [T, H] sublayer output
+    y2_ptr,    # [T, H] its second part, y's dtype (ADD_Y2 only)
     post_ptr,  # [T, C] fp32
     comb_ptr,  # [T, C, C] fp32, row = source stream
     out_ptr,   # [T, C, H] out: new stream, S's dtype
     T, H,
     stride_st, stride_sc, stride_sh,
     stride_yt, stride_yh,
+    stride_y2t, stride_y2h,
     stride_pot, stride_poc,
     stride_cot, stride_coi, stride_coj,
     stride_ot, stride_oc, stride_oh,
-    C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+    C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ADD_Y2: tl.constexpr,
 ):
     t0 = (tl.program_id(0) * BLOCK_T).to(tl.int64)
     s_ptr += t0 * stride_st
     y_ptr += t0 * stride_yt
+    y2_ptr += t0 * stride_y2t
     post_ptr += t0 * stride_pot
     comb_ptr += t0 * stride_cot
     out_ptr += t0 * stride_ot
@@ -429,6 +438,10 @@ def _mhc_post_kernel(
     mask_th = mask_t[:, None] & (offs_h < H)[None, :]                                     # [BLOCK_T, BLOCK_H]
     y = tl.load(y_ptr + offs_t[:, None] * stride_yt + offs_h[None, :] * stride_yh,
                 mask=mask_th, other=0.0).to(tl.float32)
+    if ADD_Y2:  # y + y2 rounded to y's dtype, as the separate add would store it
+        y2 = tl.load(y2_ptr + offs_t[:, None] * stride_y2t + offs_h[None, :] * stride_y2h,
+                     mask=mask_th, other=0.0).to(tl.float32)
+        y = (y + y2).to(y_ptr.dtype.element_ty).to(tl.float32)
     # Same arithmetic, in the same order, as the FUSE_POST path of _mhc_pre_kernel (bitwise equal streams)
     for j in tl.static_range(C):
         out_j = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
@@ -778,21 +791,27 @@ def _mhc_pre_triton(stream, fn, base, scale, pre_prev, norm_w, eps: float, hc_ep
     return x, pre, post, comb
 
 
-def _mhc_post_triton(stream, y, post, comb, config: dict | None = None):
-    """CUDA (or interpreter) path of ``mhc_post``: one token x BLOCK_H columns of every stream per program."""
+def _mhc_post_triton(stream, y, post, comb, y2=None, config: dict | None = None):
+    """CUDA (or interpreter) path of ``mhc_post``: one token x BLOCK_H columns of every stream per program; ``y2`` read
+    beside y (of another dtype: added first, in PyTorch, as the reference does)."""
     assert stream.dim() == 3 and stream.stride(2) == 1, "stream must be [T, C, H] with H contiguous"
     T, C, H = stream.shape
     assert C & (C - 1) == 0, f"hc_mult C={C} must be a power of two"
     assert y.shape == (T, H) and post.shape == (T, C) and comb.shape == (T, C, C)
+    if y2 is not None:
+        assert y2.shape == (T, H), f"mhc_post: y2 {tuple(y2.shape)} for y {tuple(y.shape)}"
+        if y2.dtype != y.dtype:
+            y, y2 = y + y2, None
     out = torch.empty_like(stream)
     if T == 0:
         return out
     cfg = {"block_t": 1, "block_h": 1024 if T >= 64 else 256, "num_warps": 4, **(config or {})}
     grid = (_cdiv(T, cfg["block_t"]), _cdiv(H, cfg["block_h"]))
+    y2_ = y if y2 is None else y2
     _kernels().post[grid](
-        stream, y, post, comb, out, T, H,
-        *stream.stride(), *y.stride(), *post.stride(), *comb.stride(), *out.stride(),
-        C=C, BLOCK_T=cfg["block_t"], BLOCK_H=cfg["block_h"], num_warps=cfg["num_warps"],
+        stream, y, y2_, post, comb, out, T, H,
+        *stream.stride(), *y.stride(), *y2_.stride(), *post.stride(), *comb.stride(), *out.stride(),
+        C=C, BLOCK_T=cfg["block_t"], BLOCK_H=cfg["block_h"], ADD_Y2=y2 is not None, num_warps=cfg["num_warps"],
     )
     return out
 
@@ -814,7 +833,7 @@ def _mhc_pre_fake(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters)
             stream.new_empty(T, C, C, **f32))
 
 
-def _mhc_post_fake(stream, y, post, comb):
+def _mhc_post_fake(stream, y, post, comb, y2=None):
     return torch.empty_like(stream)
 
 
@@ -852,7 +871,7 @@ mhc_pre = define_op(
     "mhc_pre", f"(Tensor stream, {_PRE_ARGS}) -> (Tensor, Tensor, Tensor, Tensor)",
     mhc_pre_ref, _mhc_pre_triton, _mhc_pre_fake)
 mhc_post = define_op(
-    "mhc_post", "(Tensor stream, Tensor y, Tensor post, Tensor comb) -> Tensor",
+    "mhc_post", "(Tensor stream, Tensor y, Tensor post, Tensor comb, Tensor? y2=None) -> Tensor",
     mhc_post_ref, _mhc_post_triton, _mhc_post_fake)
 mhc_post_pre = define_op(
     "mhc_post_pre",
