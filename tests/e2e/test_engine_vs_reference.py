@@ -719,3 +719,42 @@ def test_mixed_step_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch, a
     if attn == "gathered":
         static_plans = [(t, b) for st, t, b in plans if st]
         assert static_plans and all(b is not None and t <= b for t, b in static_plans), static_plans
+
+
+def test_candidate_shortcut_is_exact(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_CANDIDATE_SHORTCUT``: where the candidate source's host bound fits the candidate budget (the tiny
+    model's is 6 blocks of 4 entries: the short prompts' eager steps) it publishes no blocks and its consumers select
+    unfiltered; beyond it (the longer prompts) the blocks and the filter run as before.  Ops path, eager steps (their
+    bound follows the step's positions): tokens and logits bitwise equal with and without the shortcut, and the
+    shortcut skipped some but not all of the source's ``candidate_blocks`` calls."""
+    from vllm_dsv41.model_executor import model as model_mod
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "0")
+    calls = {"candidate_blocks": 0}
+
+    class CountedOps:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.dsv41, name)
+            if name != "candidate_blocks":
+                return op
+
+            def run(*a, **kw):
+                calls[name] += 1
+                return op(*a, **kw)
+            return run
+
+    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+    runs = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(model_mod.CANDIDATE_SHORTCUT_ENV, switch)
+        calls["candidate_blocks"] = 0
+        # one prompt at a time: each step's bound is that prompt's own
+        with engine(tiny_ckpt, exact=True, logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=1) as llm:
+            outs = _generate(llm, prompts[:5], logits=True)  # 5 to 90 tokens: inside the budget and past it
+        runs[switch] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs],
+                        calls["candidate_blocks"])
+    (tok0, lg0, n0), (tok1, lg1, n1) = runs["0"], runs["1"]
+    print(f"candidate_blocks calls: {n1} with the shortcut, {n0} without")
+    assert 0 < n1 < n0
+    assert tok1 == tok0 and all(torch.equal(a, b) for a, b in zip(lg0, lg1))

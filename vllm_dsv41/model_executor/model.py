@@ -84,6 +84,20 @@ def ops_mode() -> str:
     raise ValueError(f"{OPS_ENV}={v!r}: expected auto, 1 or 0")
 
 
+CANDIDATE_SHORTCUT_ENV = "VLLM_DSV41_CANDIDATE_SHORTCUT"
+
+
+def candidate_shortcut() -> bool:
+    """``VLLM_DSV41_CANDIDATE_SHORTCUT``: ``1`` (default) lets the candidate source skip ``candidate_blocks`` where its
+    host bound on the visible entries fits the candidate budget (every row would keep all its visible blocks, so the
+    consumers' candidate filter admits every visible entry: they select as without one, bitwise); ``0`` always runs
+    the source's blocks and the consumers' masking (the comparison)."""
+    v = os.environ.get(CANDIDATE_SHORTCUT_ENV, "1").strip() or "1"
+    if v not in ("1", "0"):
+        raise ValueError(f"{CANDIDATE_SHORTCUT_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
 MOE_ADD_ENV = "VLLM_DSV41_MOE_ADD_IN_POST"
 
 
@@ -162,6 +176,10 @@ class Attention(nn.Module):
     def __init__(self, cfg: DSV41Config, plan: LayerPlan, prefix: str, bounded_replay: bool, wf: WeightFormat):
         super().__init__()
         self.cfg, self.plan, self.prefix = cfg, plan, prefix
+        # the candidate source may skip publishing blocks that would all be kept only where its consumers see the
+        # same entries per row as it does (the same compression ratio: the same visible counts at a position)
+        self.candidates_skippable = plan.is_candidate_source and all(
+            p.compress_ratio == plan.compress_ratio for p in cfg.plans if p.is_candidate_consumer)
         D, H, q = cfg.head_dim, cfg.hidden_size, wf.quant
         self.wq_a = QuantLinear(cfg.q_lora_rank, H, q)
         self.q_norm = Norm(cfg.q_lora_rank)
@@ -388,8 +406,12 @@ class Attention(nn.Module):
         cache, table, rows_per_block = model.index_view(step, src, n_max)
         scores = ops.index_scores(qi, w, cache, table, rows_per_block, req32, n_vis, n_max)
         if plan.is_candidate_source:
-            step.scratch["cand_blocks"] = ops.candidate_blocks(scores, n_vis, cfg.candidate_block_size,
-                                                               cfg.candidate_topk_blocks)
+            # every row keeps all of its at most ceil(n_max / block) visible blocks when they fit the budget; the
+            # consumers, finding no blocks, select as they would through a filter that admits every visible entry
+            fits = -(-n_max // cfg.candidate_block_size) <= cfg.candidate_topk_blocks
+            if not (fits and self.candidates_skippable and candidate_shortcut()):
+                step.scratch["cand_blocks"] = ops.candidate_blocks(scores, n_vis, cfg.candidate_block_size,
+                                                                   cfg.candidate_topk_blocks)
         elif plan.is_candidate_consumer and "cand_blocks" in step.scratch:
             from vllm_dsv41.ops.topk import blocks_to_mask
 
