@@ -193,7 +193,7 @@ case "${1:-}" in
   compress)
     # session 22: compress_insert's small-row route and StaticStep.load's packed copies: CUDA tests, then the
     # compressor's and topk_select's kernel times at decode sizes
-    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_compressor.py tests/ops/test_topk.py tests/attention/test_static_step.py \
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_compressor.py tests/ops/test_topk.py tests/ops/test_ring.py tests/attention/test_static_step.py \
       > "$OUT/compress-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/compress-tests.log" | tail -8
     (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only compressor --tokens 1 16 64 256) \

@@ -98,6 +98,18 @@ def candidate_shortcut() -> bool:
     return v == "1"
 
 
+RING_OP_ENV = "VLLM_DSV41_RING_STEP"
+
+
+def ring_op() -> bool:
+    """``VLLM_DSV41_RING_STEP``: ``1`` (default) gives a ratio-2 compressor its partner rows and its ring write through
+    ``dsv41::ring_step`` on the ops path; ``0`` keeps the torch route (``Attention._partners``, ``_ring_write``)."""
+    v = os.environ.get(RING_OP_ENV, "1").strip() or "1"
+    if v not in ("1", "0"):
+        raise ValueError(f"{RING_OP_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
 MOE_ADD_ENV = "VLLM_DSV41_MOE_ADD_IN_POST"
 
 
@@ -132,8 +144,8 @@ def use_ops(mode: str, device: torch.device) -> bool:
 @functools.cache
 def _ops():
     """``torch.ops.dsv41`` with every op of the package registered."""
-    from vllm_dsv41.ops import (compressor, indexer, mhc, moe_mxfp4, rope, router, sparse_attn,  # noqa: F401
-                                swa_insert, swiglu_quant, topk)
+    from vllm_dsv41.ops import (compressor, indexer, mhc, moe_mxfp4, ring, rope, router,  # noqa: F401
+                                sparse_attn, swa_insert, swiglu_quant, topk)
 
     return torch.ops.dsv41
 
@@ -266,6 +278,14 @@ class Attention(nn.Module):
         slots = step.take(step.group(self.ring.prefix).slot_mapping, tok)
         self.ring.write(torch.where(keep, slots, torch.full_like(slots, -1)), rows)
 
+    def _ring_step(self, step: Step, tok: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """:meth:`_partners` then :meth:`_ring_write` as one op (``dsv41::ring_step``: two launches for ~20)."""
+        pos, req = step.rows_of(tok)
+        md = step.group(self.ring.prefix)
+        flat, bstep, rstep = self.ring.flat_rows()
+        return _ops().ring_step(rows, pos, req, step.seq_lens, md.ring_block_ids, step.take(md.slot_mapping, tok),
+                                flat, self.ring.capacity, self.ring.rows_per_block, bstep, rstep)
+
     def _compress(self, step: Step, tok: torch.Tensor, x: torch.Tensor) -> None:
         """Compressor (§2.5.4): entries closed by this step's tokens -> compressed KV and index K."""
         cfg, plan = self.cfg, self.plan
@@ -320,8 +340,11 @@ class Attention(nn.Module):
         prev = None
         if r == 2:
             kv_score = torch.cat((kv_c, self.compressor.wgate(x)), -1)
-            prev = self._partners(step, tok, kv_score)
-            self._ring_write(step, tok, kv_score)
+            if ring_op():
+                prev = self._ring_step(step, tok, kv_score)
+            else:
+                prev = self._partners(step, tok, kv_score)
+                self._ring_write(step, tok, kv_score)
         else:
             kv_score = kv_c
         comp_slots = self._write_slots(step, self.comp_cache, tok)
