@@ -201,13 +201,15 @@ case "${1:-}" in
     grep -E "^(compress_insert|topk_select)" "$OUT/compress-times.log" | cut -c1-170 ;;
   variants)
     # one workload's timeline (the rest of the arguments; default batch 64) under each of VARIANTS, space-separated
-    # name:ENV=VALUE,ENV=VALUE entries ("name:" for the defaults), each under LIMIT seconds (default 120; a fresh
-    # machine's first timeline compiles for ~130 s more)
+    # name:ENV=VALUE,ENV=VALUE entries ("name:" for the defaults), each under LIMIT seconds (default 120), the first
+    # under FIRST_LIMIT (default LIMIT; a fresh machine's first timeline compiles for ~130 s more)
     shift
+    limit=${FIRST_LIMIT:-${LIMIT:-120}}
     for v in ${VARIANTS:?name:ENV=VALUE,... entries}; do
       name=${v%%:*} envs=${v#*:}
-      env ${envs//,/ } timeout "${LIMIT:-120}" python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
+      env ${envs//,/ } timeout "$limit" python3 scripts/gpu/step_timeline.py /tmp/bench "$@" \
         > "$OUT/timeline-$name.log" 2>&1
+      limit=${LIMIT:-120}
       echo "$name ($envs): $(grep -E '^(timed run|prefill |decode  )' "$OUT/timeline-$name.log" | tr -s ' ' | tr '\n' ' ')"
     done ;;
   timeline)
