@@ -514,6 +514,22 @@ def _cfg_for(T: int, fuse: bool, sms: int, project: bool) -> dict:
         return mhc._pre_config(T, 5120, fuse, dev) if project else mhc._collapse_config(T, 5120, fuse, dev)
 
 
+@pytest.mark.parametrize("add_y2", [False, True])
+def test_post_kernel_builds_for_sm90(add_y2):
+    """``_mhc_post_kernel`` with and without the second part of y compiles for Hopper without spills."""
+    from tests.ops.conftest import sm90_build
+
+    names = ("s_ptr", "y_ptr", "y2_ptr", "post_ptr", "comb_ptr", "out_ptr")
+    sig = dict(zip(names, ("*bf16", "*bf16", "*bf16", "*fp32", "*fp32", "*bf16")))
+    sig.update({n: "i32" for n in ("T", "H", "stride_st", "stride_sc", "stride_sh", "stride_yt", "stride_yh",
+                                   "stride_y2t", "stride_y2h", "stride_pot", "stride_poc", "stride_cot", "stride_coi",
+                                   "stride_coj", "stride_ot", "stride_oc", "stride_oh")})
+    const = {"C": 4, "BLOCK_T": 1, "BLOCK_H": 1024, "ADD_Y2": add_y2}
+    sig.update({n: "constexpr" for n in const})
+    got = sm90_build(mhc._kernels().post, sig, const, 4)
+    assert got["stack"] == 0, got
+
+
 def test_quantising_collapse_builds_for_sm90():
     """The quantising collapse's two kernels at the launch parameters the wrapper takes at decode sizes, bf16 streams:
     the pre kernel with each split's max |h * w| (AMAX) and the epilogue's normalising columns with the codes (QUANT,
