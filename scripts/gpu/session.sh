@@ -196,7 +196,7 @@ case "${1:-}" in
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/ops/test_compressor.py tests/ops/test_topk.py tests/ops/test_ring.py tests/attention/test_static_step.py \
       > "$OUT/compress-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/compress-tests.log" | tail -8
-    (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only compressor --tokens 1 16 64 256) \
+    (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only compressor --tokens 1 16 64 256 4096) \
       > "$OUT/compress-times.log" 2>&1
     grep -E "^(compress_insert|topk_select)" "$OUT/compress-times.log" | cut -c1-170 ;;
   variants)
