@@ -297,6 +297,7 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     monkeypatch.setenv(linear.FUSED_ACT_QUANT_ENV, "1")
     monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
+    monkeypatch.setenv("VLLM_DSV41_FOLD_POST", "0")  # the counts below: one collapse op per boundary kind
     _emulate_fast_path(monkeypatch, torch.bfloat16)
     ops = {"mhc_collapse", "mhc_post_collapse", "mhc_collapse_quant", "mhc_post_collapse_quant", "swiglu_quant"}
     calls = dict.fromkeys((*ops, "gemm_on_rows", "gemm_quantising"), 0)
@@ -327,6 +328,7 @@ def test_moe_add_in_post_on_cpu(tiny_ckpt, prompts, monkeypatch):
 
     monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
+    monkeypatch.setenv("VLLM_DSV41_FOLD_POST", "0")  # every FFN post-mix through mhc_post (test_fold_post_on_cpu)
     _emulate_fast_path(monkeypatch, torch.bfloat16)
     calls = {"mhc_post": 0, "two parts": 0}
 
@@ -348,5 +350,54 @@ def test_moe_add_in_post_on_cpu(tiny_ckpt, prompts, monkeypatch):
     print(f"MoE add in the post-mix: {c1} against {c0}")
     assert c0["two parts"] == 0 and c0["mhc_post"] > 0
     assert c1["two parts"] == c1["mhc_post"] == c0["mhc_post"]
+    assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
+    assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))
+
+
+def test_fold_post_on_cpu(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_FOLD_POST=1`` against ``0`` on the fast path's code (bf16 streams, padded static decode steps,
+    eager prefill; the MoE's add in the post-mix on): with 1 each layer's FFN post-mix is left to the next layer, which
+    folds it, with the MoE's two parts, into its first boundary (``mhc_post_collapse`` at decode sizes,
+    ``mhc_post_pre`` above them), so ``mhc_post`` runs once a forward pass (the last layer) instead of once a layer;
+    tokens and logits bitwise the same."""
+    from vllm_dsv41.model_executor import model as model_mod
+
+    monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
+    _emulate_fast_path(monkeypatch, torch.bfloat16)
+    folding = {"mhc_post_collapse", "mhc_post_collapse_quant", "mhc_post_pre"}
+    calls = {"mhc_post": 0, "folded": 0, "passes": 0}
+
+    class CountedOps:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.dsv41, name)
+            if name != "mhc_post" and name not in folding:
+                return op
+
+            def run(*a):
+                if name == "mhc_post":
+                    calls["mhc_post"] += 1
+                elif isinstance(a[-1], torch.Tensor) and a[-1].dim() == 2:  # y2: a folded FFN post-mix
+                    calls["folded"] += 1
+                return op(*a)
+            return run
+
+    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+    forward = model_mod.DeepseekV41Model.forward
+
+    def counted_forward(self, *a, **kw):
+        calls["passes"] += 1
+        return forward(self, *a, **kw)
+
+    monkeypatch.setattr(model_mod.DeepseekV41Model, "forward", counted_forward)
+    (tok0, lg0, c0), (tok1, lg1, c1) = _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls,
+                                                                    model_mod.FOLD_POST_ENV)
+    print(f"FFN post-mixes folded into the next layer: {c1} against {c0}")
+    from vllm_dsv41.config import load_config
+
+    # left unfolded: the last layer's and those before an Engram layer (which reads the streams first)
+    unfolded = 1 + len(load_config(tiny_ckpt).engram_layer_ids)
+    assert c0["folded"] == 0 and c1["passes"] > 0 and c1["mhc_post"] == unfolded * c1["passes"] < c0["mhc_post"]
+    assert c1["folded"] + c1["mhc_post"] == c0["mhc_post"]  # every other FFN post-mix was folded
     assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))

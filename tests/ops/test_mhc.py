@@ -65,6 +65,16 @@ def post_add_args(t):
     return (*post_args(t), t["y2"])
 
 
+def post_collapse_add_args(t):
+    """``mhc_post_collapse`` (and its ``_quant``) with the post-mixed output in two parts (the next layer folding the
+    FFN boundary's post-mix: the MoE's routed and shared experts)."""
+    return (*post_collapse_args(t), t["y2"])
+
+
+def post_pre_add_args(t):
+    return (*post_pre_args(t), t["y2"])
+
+
 def post_pre_args(t):
     return (*post_args(t), *pre_args(t)[1:])
 
@@ -81,18 +91,27 @@ def coeffs_args(t):
     return (t["stream"], t["fn"], t["base"], t["scale"], EPS, HC_EPS, ITERS)
 
 
-ARGS = {"pre": pre_args, "post": post_args, "post_add": post_add_args, "post_pre": post_pre_args, "collapse": collapse_args,
+ARGS = {"pre": pre_args, "post": post_args, "post_add": post_add_args, "post_pre": post_pre_args,
+        "post_pre_add": post_pre_add_args, "post_collapse_add": post_collapse_add_args,
+        "post_collapse_quant_add": post_collapse_add_args, "collapse": collapse_args,
         "post_collapse": post_collapse_args, "coeffs": coeffs_args, "collapse_quant": collapse_args,
         "post_collapse_quant": post_collapse_args}
 REFS = {"pre": mhc.mhc_pre_ref, "post": mhc.mhc_post_ref, "post_add": mhc.mhc_post_ref, "post_pre": mhc.mhc_post_pre_ref,
+        "post_pre_add": mhc.mhc_post_pre_ref, "post_collapse_add": mhc.mhc_post_collapse_ref,
+        "post_collapse_quant_add": mhc.mhc_post_collapse_quant_ref,
         "collapse": mhc.mhc_collapse_ref, "post_collapse": mhc.mhc_post_collapse_ref, "coeffs": mhc.mhc_coeffs_ref,
         "collapse_quant": mhc.mhc_collapse_quant_ref, "post_collapse_quant": mhc.mhc_post_collapse_quant_ref}
 OUT_NAMES = {"pre": ("x", "pre", "post", "comb"), "post": ("stream",), "post_add": ("stream",),
+             "post_pre_add": ("stream", "x", "pre", "post", "comb"), "post_collapse_add": ("stream", "x"),
+             "post_collapse_quant_add": ("stream", "x", "codes", "scales"),
              "post_pre": ("stream", "x", "pre", "post", "comb"), "collapse": ("x",), "post_collapse": ("stream", "x"),
              "coeffs": ("pre", "post", "comb"), "collapse_quant": ("x", "codes", "scales"),
              "post_collapse_quant": ("stream", "x", "codes", "scales")}
-OP_OF = {"post_add": "post"}  # argument sets of an op under a name of their own
-QUANT_OPS = {"collapse_quant": "collapse", "post_collapse_quant": "post_collapse"}  # -> the op without the codes
+# argument sets of an op under a name of their own: the ops with y2, the sublayer output's second part
+OP_OF = {"post_add": "post", "post_pre_add": "post_pre", "post_collapse_add": "post_collapse",
+         "post_collapse_quant_add": "post_collapse_quant"}
+QUANT_OPS = {"collapse_quant": "collapse", "post_collapse_quant": "post_collapse",  # -> the op without the codes
+             "post_collapse_quant_add": "post_collapse"}
 
 
 def model_pre(t):
@@ -201,6 +220,14 @@ INTERPRET_CASES = {
     "post_add-T3-H96-bf16": ("post_add", 3, 4, 96, "bfloat16", None, False),
     "post_add-T17-H64-fp32-bt4-strided": ("post_add", 17, 4, 64, "float32", {"block_t": 4, "block_h": 32}, True),
     "post_pre-T3-H96-bf16": ("post_pre", 3, 4, 96, "bfloat16", None, False),
+    # the fused post-mixes with the output in two parts (a layer's FFN post-mix folded into the next boundary)
+    "post_pre_add-T5-H96-bf16": ("post_pre_add", 5, 4, 96, "bfloat16", None, False),
+    "post_pre_add-T9-H640-fp32-gemm-strided": ("post_pre_add", 9, 4, 640, "float32", {"project": False}, True),
+    "post_collapse_add-T3-H96-bf16": ("post_collapse_add", 3, 4, 96, "bfloat16", None, False),
+    "post_collapse_add-T17-H64-fp32-bt4-strided": ("post_collapse_add", 17, 4, 64, "float32",
+                                                   {"block_t": 4, "block_h": 32}, True),
+    "post_collapse_quant_add-T5-H640-bf16": ("post_collapse_quant_add", 5, 4, 640, "bfloat16", {"block_h": 32},
+                                             False),
     "post_pre-T17-H64-fp32-bt16-split1": ("post_pre", 17, 4, 64, "float32", {"block_t": 16, "split": 1}, True),
     # 40 splits: three rounds of the epilogue's EPILOGUE_SPLITS-wide reads, the last one partly masked
     "pre-T9-H640-fp32-split40": ("pre", 9, 4, 640, "float32", {"block_h": 16, "split": 40}, False),
@@ -249,9 +276,12 @@ for name, case in t.INTERPRET_CASES.items():
     inputs, args, ref = t.interpret_case(*case)
     fn = getattr(mhc, f"_mhc_{t.OP_OF.get(case[0], case[0])}_triton")
     got = fn(*args, config=case[5])
-    # the fused ops' stream must equal mhc_post's bit for bit (same arithmetic, same order); with y2, mhc_post's of
-    # y + y2 added beforehand
-    alone = mhc._mhc_post_triton(*args[:4]) if case[0] in ("post_pre", "post_collapse", "post_collapse_quant") else None
+    # the fused ops' stream must equal mhc_post's bit for bit (same arithmetic, same order), with y2 too; mhc_post's
+    # own y2 that of y + y2 added beforehand
+    base = t.OP_OF.get(case[0], case[0])
+    y2 = args[-1] if case[0].endswith("_add") else None
+    alone = (mhc._mhc_post_triton(*args[:4], y2) if base in ("post_pre", "post_collapse", "post_collapse_quant")
+             else None)
     if case[0] == "post_add":
         alone = mhc._mhc_post_triton(args[0], args[1] + args[4], *args[2:4], config=case[5])
     # the quantising ops' x must equal the op's without the codes bit for bit
@@ -492,11 +522,12 @@ def test_split_boundary_kernels_build_for_sm90(kind, T):
     sms = 132
     cfg = _cfg_for(T, fuse, sms, project=kind == "coeffs")
     C, nmix = 4, 24
-    ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
+    ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "y2_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
            "snew_ptr": "*bf16", "fn_ptr": "*fp32", "pre_prev_ptr": "*fp32", "h_ptr": "*bf16", "part_ptr": "*fp32",
            "w_ptr": "*bf16"}
     consts = {"C": C, "NMIX": nmix, "NP": 32, "BLOCK_T": cfg["block_t"], "BLOCK_H": cfg["block_h"], "FUSE_POST": fuse,
-              "BF16_SPLIT": True, "BF16_MMA": True, "PROJECT": kind == "coeffs", "COLLAPSE": kind != "coeffs"}
+              "BF16_SPLIT": True, "BF16_MMA": True, "PROJECT": kind == "coeffs", "COLLAPSE": kind != "coeffs",
+              "AMAX": False, "ADD_Y2": fuse}  # the post-mix with the MoE's two parts (as the model runs it)
     sig = {n: ptr.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
     got = sm90_build(kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
     print(f"mhc {kind} T={T} {cfg}: {got}")
@@ -549,11 +580,12 @@ def test_quantising_collapse_builds_for_sm90():
     assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got
     for fuse in (False, True):
         cfg = _cfg_for(64, fuse, 132, project=False)
-        pre_ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
-                   "snew_ptr": "*bf16", "fn_ptr": "*fp32", "pre_prev_ptr": "*fp32", "h_ptr": "*bf16",
-                   "part_ptr": "*fp32", "w_ptr": "*bf16"}
+        pre_ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "y2_ptr": "*bf16", "post_prev_ptr": "*fp32",
+                   "comb_prev_ptr": "*fp32", "snew_ptr": "*bf16", "fn_ptr": "*fp32", "pre_prev_ptr": "*fp32",
+                   "h_ptr": "*bf16", "part_ptr": "*fp32", "w_ptr": "*bf16"}
         pc = {"C": 4, "NMIX": 24, "NP": 32, "BLOCK_T": cfg["block_t"], "BLOCK_H": cfg["block_h"], "FUSE_POST": fuse,
-              "BF16_SPLIT": False, "BF16_MMA": False, "PROJECT": False, "COLLAPSE": True, "AMAX": True}
+              "BF16_SPLIT": False, "BF16_MMA": False, "PROJECT": False, "COLLAPSE": True, "AMAX": True,
+              "ADD_Y2": fuse}
         psig = {n: pre_ptr.get(n, "constexpr" if n in pc else "i32") for n in k.pre.arg_names}
         got = sm90_build(k.pre, psig, pc, cfg["num_warps"], cfg["num_stages"])
         print(f"pre kernel with AMAX, post-mix {fuse}: {got}")

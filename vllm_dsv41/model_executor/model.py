@@ -30,6 +30,7 @@ import functools
 import math
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -107,6 +108,19 @@ def ring_op() -> bool:
     v = os.environ.get(RING_OP_ENV, "1").strip() or "1"
     if v not in ("1", "0"):
         raise ValueError(f"{RING_OP_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
+FOLD_POST_ENV = "VLLM_DSV41_FOLD_POST"
+
+
+def fold_post() -> bool:
+    """``VLLM_DSV41_FOLD_POST``: ``1`` (default) leaves a layer's FFN post-mix to the next layer on the ops path, which
+    folds it into its first mHC boundary (:class:`PendingPost`); ``0`` applies it at the end of the layer (the earlier
+    order).  The streams are bitwise the same either way."""
+    v = os.environ.get(FOLD_POST_ENV, "1").strip() or "1"
+    if v not in ("1", "0"):
+        raise ValueError(f"{FOLD_POST_ENV}={v!r}: expected 1 or 0")
     return v == "1"
 
 
@@ -791,6 +805,32 @@ class Engram(nn.Module):
 # --------------------------------------------------------------------------- layers and model
 
 
+@dataclass
+class PendingPost:
+    """A layer's FFN post-mix not yet applied (``dsv41::mhc_post`` of these): the next layer folds it into its first
+    mHC boundary (``mhc_post_collapse`` / ``mhc_post_pre`` instead of ``mhc_post`` then ``mhc_collapse`` /
+    ``mhc_pre``: one launch and one read of the streams fewer a layer); anything else that reads the streams applies it
+    first (:func:`streams`)."""
+
+    S: torch.Tensor
+    y: torch.Tensor
+    y2: torch.Tensor | None
+    post: torch.Tensor
+    comb: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.S.shape
+
+    def apply(self) -> torch.Tensor:
+        return _ops().mhc_post(self.S, self.y, self.post, self.comb, self.y2)
+
+
+def streams(S: torch.Tensor | PendingPost) -> torch.Tensor:
+    """The residual streams, a pending post-mix applied."""
+    return S.apply() if isinstance(S, PendingPost) else S
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DSV41Config, layer_id: int, prefix: str, bounded_replay: bool, wf: WeightFormat):
         super().__init__()
@@ -812,11 +852,13 @@ class DecoderLayer(nn.Module):
         return hc_coefficients(S, getattr(self, f"hc_{kind}_fn"), getattr(self, f"hc_{kind}_base"),
                                getattr(self, f"hc_{kind}_scale"), self.eps, self.hc_eps, self.iters)
 
-    def forward(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
-                tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
-        """S, pre for step tokens ``tok``; returns (S, pre) for ``tok[rows]``."""
+    def forward(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor | PendingPost, pre: torch.Tensor,
+                tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor, defer: bool = False):
+        """S, pre for step tokens ``tok``; returns (S, pre) for ``tok[rows]``.  On the ops path S may arrive as the
+        previous layer's :class:`PendingPost`, and with ``defer`` this layer's FFN post-mix leaves as one too."""
         if step.use_ops:
-            return self._forward_ops(model, step, S, pre, tok, rows, floors)
+            return self._forward_ops(model, step, S, pre, tok, rows, floors, defer)
+        S = streams(S)
         pre_a, post_a, comb_a = self._coeffs("attn", S)
         x = rms_norm(hc_collapse(S, pre), self.attn_norm.weight, self.eps)
         y = self.attn(model, step, x, tok, rows, floors)
@@ -825,24 +867,36 @@ class DecoderLayer(nn.Module):
         x = rms_norm(hc_collapse(S, pre_a[rows]), self.ffn_norm.weight, self.eps)
         return hc_post(S, self.ffn(x), post_f, comb_f), pre_f
 
-    def _forward_ops(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
-                     tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
+    def _forward_ops(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor | PendingPost, pre: torch.Tensor,
+                     tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor, defer: bool = False):
         """The same layer with the mHC boundaries as ops: ``mhc_pre`` (attention boundary),
         ``mhc_post_pre`` (attention post-mix + FFN boundary), ``mhc_post`` (FFN post-mix); up to
         ``mhc_op.split_rows()`` rows the split boundaries of :meth:`_forward_split`."""
         if S.shape[0] <= mhc_op.split_rows():
-            return self._forward_split(model, step, S, pre, tok, rows, floors)
+            return self._forward_split(model, step, S, pre, tok, rows, floors, defer)
         ops = _ops()
         args = (self.eps, self.hc_eps, self.iters)
-        x, pre_a, post_a, comb_a = ops.mhc_pre(S, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, pre,
-                                               self.attn_norm.weight, *args)
+        coeff_args = (self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, pre, self.attn_norm.weight, *args)
+        if isinstance(S, PendingPost):  # the previous layer's FFN post-mix, folded in
+            P = S
+            S, x, pre_a, post_a, comb_a = ops.mhc_post_pre(P.S, P.y, P.post, P.comb, *coeff_args, P.y2)
+        else:
+            x, pre_a, post_a, comb_a = ops.mhc_pre(S, *coeff_args)
         y = self.attn(model, step, x, tok, rows, floors)
         S, x, pre_f, post_f, comb_f = ops.mhc_post_pre(step.take(S, rows), y, step.take(post_a, rows),
                                                        step.take(comb_a, rows), self.hc_ffn_fn,
                                                        self.hc_ffn_base, self.hc_ffn_scale, step.take(pre_a, rows),
                                                        self.ffn_norm.weight, *args)
         f, f2 = self._ffn_parts(x)
-        return ops.mhc_post(S, f, post_f, comb_f, f2), pre_f
+        return self._ffn_post(S, f, f2, post_f, comb_f, defer), pre_f
+
+    @staticmethod
+    def _ffn_post(S: torch.Tensor, f: torch.Tensor, f2: torch.Tensor | None, post: torch.Tensor, comb: torch.Tensor,
+                  defer: bool) -> torch.Tensor | PendingPost:
+        """The FFN boundary's post-mix, or (``defer``) the same left to the next layer."""
+        if defer:
+            return PendingPost(S, f, f2, post, comb)
+        return _ops().mhc_post(S, f, post, comb, f2)
 
     def _ffn_parts(self, x: torch.Tensor, xq: QuantRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The FFN's output as ``dsv41::mhc_post``'s (y, y2): the MoE's routed and shared parts, which the post-mix
@@ -851,8 +905,8 @@ class DecoderLayer(nn.Module):
             return self.ffn(x, ops=True, xq=xq, parts=True)
         return self.ffn(x, ops=True, xq=xq), None
 
-    def _forward_split(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor, pre: torch.Tensor,
-                       tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor):
+    def _forward_split(self, model: "DeepseekV41Model", step: Step, S: torch.Tensor | PendingPost, pre: torch.Tensor,
+                       tok: torch.Tensor, rows: torch.Tensor, floors: torch.Tensor, defer: bool = False):
         """:meth:`_forward_ops` with each boundary split (decode sizes): x from ``mhc_collapse`` /
         ``mhc_post_collapse`` (the previous boundary's pre-mix), the boundary's coefficients from ``mhc_coeffs`` on
         the side stream while the sublayer runs; the same numbers on the reference path.  Where a sublayer's first FP8
@@ -861,7 +915,16 @@ class DecoderLayer(nn.Module):
         ops = _ops()
         args = (self.eps, self.hc_eps, self.iters)
         xq = fq = None  # x quantised in the collapse's own launch, where the sublayer's FP8 GEMM takes it
-        if self.attn.takes_quantised_input(S.dtype):
+        P = S if isinstance(S, PendingPost) else None  # the previous layer's FFN post-mix, folded in
+        quant = self.attn.takes_quantised_input(S.S.dtype if P is not None else S.dtype)
+        if P is not None:
+            post_in = (P.S, P.y, P.post, P.comb, pre, self.attn_norm.weight, self.eps, P.y2)
+            if quant:
+                S, x, *q = ops.mhc_post_collapse_quant(*post_in)
+                xq = QuantRows(*q, x.dtype)
+            else:
+                S, x = ops.mhc_post_collapse(*post_in)
+        elif quant:
             x, *q = ops.mhc_collapse_quant(S, pre, self.attn_norm.weight, self.eps)
             xq = QuantRows(*q, x.dtype)
         else:
@@ -879,7 +942,7 @@ class DecoderLayer(nn.Module):
         (f, f2), (pre_f, post_f, comb_f) = beside(
             x, lambda: ops.mhc_coeffs(S, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *args),
             lambda: self._ffn_parts(x, fq), lane=1)
-        return ops.mhc_post(S, f, post_f, comb_f, f2), pre_f
+        return self._ffn_post(S, f, f2, post_f, comb_f, defer), pre_f
 
 
 def kept_rows_host(step: Step, window: int) -> torch.Tensor:
@@ -994,25 +1057,27 @@ class DeepseekV41Model(nn.Module):
             # nothing to trim (a mixed step of short chunks beside decode rows): every row kept, so the decoder layers
             # still run as the captured static step
             kept_host, kept = torch.arange(T), tok
+        defer = step.use_ops and fold_post()  # each FFN post-mix folded into the next layer's first boundary
         for L, layer in enumerate(self.layers):
             plan = layer.plan
             if graphs is not None and L == cfg.boundary_layer + 1:
                 carry = {k: step.scratch[k] for k in self.decoder_carry if k in step.scratch}
                 if all(t.shape[0] == kept_host.numel() for t in carry.values()):
+                    S = streams(S)
                     S, pre = graphs.run(step.meta, kept_host, kept, S, pre, carry, S.device,
                                         capture=self.decoder_graph_mode == "capture")
                     return S, pre, tok
             if plan.has_engram:
-                S = layer.engram(S, step.take(self.engram_rows(step, L), tok))
+                S = layer.engram(streams(S), step.take(self.engram_rows(step, L), tok))
             rows = step.all_rows(tok.numel())
             floors = base_floor
             if kept_host is not None and L == cfg.boundary_layer:
                 rows = kept  # KV pass on every row, attention + MoE on the kept rows
             elif kept_host is not None and plan.is_decoder:  # one tensor for every decoder layer (caches key on it)
                 floors = step.once("decoder_floors", lambda: decoder_floors(step, kept_host))
-            S, pre = layer(self, step, S, pre, tok, rows, floors)
+            S, pre = layer(self, step, S, pre, tok, rows, floors, defer=defer)
             tok = step.take(tok, rows)
-        return S, pre, tok
+        return streams(S), pre, tok
 
 
 def decoder_carry_keys(cfg: DSV41Config) -> list:
@@ -1037,9 +1102,10 @@ def _run_decoder(model: DeepseekV41Model, step: Step, S: torch.Tensor, pre: torc
     step.scratch.update(carry)
     rows = step.all_rows(S.shape[0])
     floors = step.replay_start  # kept_step_meta's: each request's decoder floor (graphs.kept_floors)
+    defer = step.use_ops and fold_post()
     for layer in model.layers[cfg.boundary_layer + 1:]:
-        S, pre = layer(model, step, S, pre, rows, rows, floors)
-    return S, pre
+        S, pre = layer(model, step, S, pre, rows, rows, floors, defer=defer)
+    return streams(S), pre
 
 
 def _compressed_token_map(vllm_config, cfg: DSV41Config) -> torch.Tensor:

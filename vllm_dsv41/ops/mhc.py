@@ -158,17 +158,19 @@ def mhc_post_ref(stream: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb
 
 def mhc_post_pre_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torch.Tensor, comb_prev: torch.Tensor,
                      fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, pre_prev: torch.Tensor,
-                     norm_w: torch.Tensor, eps: float, hc_eps: float, iters: int):
-    """Post-mix of the previous sublayer, then the next boundary's pre -> (new stream, x, pre, post, comb)."""
-    new_stream = mhc_post_ref(stream, y, post_prev, comb_prev)
+                     norm_w: torch.Tensor, eps: float, hc_eps: float, iters: int, y2: torch.Tensor | None = None):
+    """Post-mix of the previous sublayer (y + y2, as :func:`mhc_post_ref`), then the next boundary's pre -> (new
+    stream, x, pre, post, comb)."""
+    new_stream = mhc_post_ref(stream, y, post_prev, comb_prev, y2)
     return (new_stream, *mhc_pre_ref(new_stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters))
 
 
 def mhc_post_collapse_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torch.Tensor, comb_prev: torch.Tensor,
-                          pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Post-mix of the previous sublayer, then the next boundary's collapse -> (new stream, x); the boundary's
-    coefficients come from ``mhc_coeffs`` on the new stream."""
-    new_stream = mhc_post_ref(stream, y, post_prev, comb_prev)
+                          pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                          y2: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Post-mix of the previous sublayer (y + y2, as :func:`mhc_post_ref`), then the next boundary's collapse -> (new
+    stream, x); the boundary's coefficients come from ``mhc_coeffs`` on the new stream."""
+    new_stream = mhc_post_ref(stream, y, post_prev, comb_prev, y2)
     return new_stream, mhc_collapse_ref(new_stream, pre_prev, norm_w, eps)
 
 
@@ -181,9 +183,10 @@ def mhc_collapse_quant_ref(stream: torch.Tensor, pre_prev: torch.Tensor, norm_w:
 
 
 def mhc_post_collapse_quant_ref(stream: torch.Tensor, y: torch.Tensor, post_prev: torch.Tensor,
-                                comb_prev: torch.Tensor, pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float):
+                                comb_prev: torch.Tensor, pre_prev: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                                y2: torch.Tensor | None = None):
     """:func:`mhc_post_collapse_ref` plus x's per-row E4M3 quantisation -> (new stream, x, codes, scales)."""
-    new_stream, x = mhc_post_collapse_ref(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps)
+    new_stream, x = mhc_post_collapse_ref(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps, y2)
     return (new_stream, x, *formats.quant_fp8_tokens(x))
 
 
@@ -193,6 +196,7 @@ def mhc_post_collapse_quant_ref(stream: torch.Tensor, y: torch.Tensor, post_prev
 def _mhc_pre_kernel(
     s_ptr,          # [T, C, H] stream entering the boundary; with FUSE_POST the stream before the post-mix
     y_ptr,          # [T, H]    sublayer output (FUSE_POST only)
+    y2_ptr,         # [T, H]    its second part, y's dtype (ADD_Y2 only)
     post_prev_ptr,  # [T, C]    fp32 post-mix of the previous boundary (FUSE_POST only)
     comb_prev_ptr,  # [T, C, C] fp32 comb of the previous boundary, row = source (FUSE_POST only)
     snew_ptr,       # [T, C, H] out: post-mixed stream, S's dtype (FUSE_POST only)
@@ -205,6 +209,7 @@ def _mhc_pre_kernel(
     T, H, HS,       # tokens, hidden size, H covered by one split (a multiple of BLOCK_H)
     stride_st, stride_sc, stride_sh,
     stride_yt, stride_yh,
+    stride_y2t, stride_y2h,
     stride_pot, stride_poc,
     stride_cot, stride_coi, stride_coj,
     stride_nt, stride_nc, stride_nh,
@@ -215,7 +220,7 @@ def _mhc_pre_kernel(
     C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, PROJECT: tl.constexpr,
-    COLLAPSE: tl.constexpr = True, AMAX: tl.constexpr = False,
+    COLLAPSE: tl.constexpr = True, AMAX: tl.constexpr = False, ADD_Y2: tl.constexpr = False,
 ):
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -224,6 +229,7 @@ def _mhc_pre_kernel(
     t0 = (pid_t * BLOCK_T).to(tl.int64)
     s_ptr += t0 * stride_st
     y_ptr += t0 * stride_yt
+    y2_ptr += t0 * stride_y2t
     post_prev_ptr += t0 * stride_pot
     comb_prev_ptr += t0 * stride_cot
     snew_ptr += t0 * stride_nt
@@ -252,6 +258,10 @@ def _mhc_pre_kernel(
         if FUSE_POST:
             y = tl.load(y_ptr + offs_t[:, None] * stride_yt + offs_h[None, :] * stride_yh,
                         mask=mask_th, other=0.0).to(tl.float32)                      # [BLOCK_T, BLOCK_H]
+            if ADD_Y2:  # y + y2 rounded to y's dtype, as mhc_post's ADD_Y2 (bitwise the same streams)
+                y2 = tl.load(y2_ptr + offs_t[:, None] * stride_y2t + offs_h[None, :] * stride_y2h,
+                             mask=mask_th, other=0.0).to(tl.float32)
+                y = (y + y2).to(y_ptr.dtype.element_ty).to(tl.float32)
         if COLLAPSE:  # else only the projection and sum(v^2) (``mhc_coeffs``)
             h = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(C):
@@ -607,15 +617,22 @@ def _partials(T: int, H: int, nmix: int, cfg: dict, dev: torch.device) -> tuple[
     return hs, split, np_, torch.empty(split, T, np_, dtype=torch.float32, device=dev)
 
 
-def _post_sources(stream, pre_prev, post_inputs, new_stream, T: int, C: int, H: int) -> tuple[tuple, tuple]:
-    """The pre kernel's (y, post_prev, comb_prev, new stream) pointers and their 10 strides; placeholders that are
-    never dereferenced without the post-mix."""
+def _post_sources(stream, pre_prev, post_inputs, new_stream, T: int, C: int, H: int) -> tuple[tuple, tuple, bool]:
+    """The pre kernel's (y, y2, post_prev, comb_prev, new stream) pointers, their 12 strides and ADD_Y2; placeholders
+    that are never dereferenced without the post-mix (or without y2).  ``post_inputs`` = (y, post_prev, comb_prev) or
+    (y, post_prev, comb_prev, y2); a y2 of another dtype than y is added to it here first, as the reference does."""
     if post_inputs is None:
-        return (stream, pre_prev, pre_prev, stream), (0,) * 10
-    y, post_prev, comb_prev = post_inputs
+        return (stream, stream, pre_prev, pre_prev, stream), (0,) * 12, False
+    y, post_prev, comb_prev, *rest = post_inputs
+    y2 = rest[0] if rest else None
     assert y.shape == (T, H) and post_prev.shape == (T, C) and comb_prev.shape == (T, C, C)
-    return ((y, post_prev, comb_prev, new_stream),
-            (*y.stride(), *post_prev.stride(), *comb_prev.stride(), *new_stream.stride()))
+    if y2 is not None:
+        assert y2.shape == (T, H), f"y2 {tuple(y2.shape)} for y {tuple(y.shape)}"
+        if y2.dtype != y.dtype:
+            y, y2 = y + y2, None
+    y2_ = y if y2 is None else y2
+    return ((y, y2_, post_prev, comb_prev, new_stream),
+            (*y.stride(), *y2_.stride(), *post_prev.stride(), *comb_prev.stride(), *new_stream.stride()), y2 is not None)
 
 
 def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, post_inputs, config):
@@ -635,7 +652,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     cfg = {**(_pre_config(T, H, fuse, dev) if project else _stream_config(T, H, fuse, dev)), **(config or {})}
     block_h = cfg["block_h"]
     hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
-    src, src_strides = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
+    src, src_strides, add_y2 = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, *src, fn, pre_prev, x, part, part,  # w: unused (no AMAX)
@@ -643,7 +660,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         *stream.stride(), *src_strides, *fn.stride(), *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ADD_Y2=add_y2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not project:  # the kernel left the projection columns 0: split 0 takes the whole product
         v = (new_stream if fuse else stream).reshape(T, C * H)
@@ -693,14 +710,14 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
     cfg = {**_collapse_config(T, H, fuse, dev), **(config or {})}
     block_h = cfg["block_h"]
     hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
-    src, src_strides = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
+    src, src_strides, add_y2 = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, *src, stream, pre_prev, x, part, norm_w,  # fn: a placeholder (PROJECT off)
         T, H, hs,
         *stream.stride(), *src_strides, 0, 0, *pre_prev.stride(), *x.stride(), *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
-        FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True, AMAX=quant,
+        FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True, AMAX=quant, ADD_Y2=add_y2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     ep_t, ep_h = 8, 512
@@ -734,9 +751,9 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
     hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
     k = _kernels()
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
-        stream, stream, pre, comb, stream, fn, pre, part, part, part,  # y .. snew, pre_prev, h, w: unused
+        stream, stream, stream, pre, comb, stream, fn, pre, part, part, part,  # y .. snew, pre_prev, h, w: unused
         T, H, hs,
-        *stream.stride(), *(0,) * 10, *fn.stride(), 0, 0, 0, 0, *part.stride(),
+        *stream.stride(), *(0,) * 12, *fn.stride(), 0, 0, 0, 0, *part.stride(),
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=False, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
         COLLAPSE=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -761,10 +778,10 @@ def _mhc_collapse_triton(stream, pre_prev, norm_w, eps: float, config: dict | No
     return _launch_collapse(stream, pre_prev, norm_w, eps, None, config)[1]
 
 
-def _mhc_post_collapse_triton(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps: float,
+def _mhc_post_collapse_triton(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps: float, y2=None,
                               config: dict | None = None):
     """CUDA (or interpreter) path of ``mhc_post_collapse``: the post-mix arithmetic of ``mhc_post`` (bitwise)."""
-    return _launch_collapse(stream, pre_prev, norm_w, eps, (y, post_prev, comb_prev), config)
+    return _launch_collapse(stream, pre_prev, norm_w, eps, (y, post_prev, comb_prev, y2), config)
 
 
 def _mhc_collapse_quant_triton(stream, pre_prev, norm_w, eps: float, config: dict | None = None):
@@ -773,10 +790,10 @@ def _mhc_collapse_quant_triton(stream, pre_prev, norm_w, eps: float, config: dic
     return _launch_collapse(stream, pre_prev, norm_w, eps, None, config, quant=True)[1:]
 
 
-def _mhc_post_collapse_quant_triton(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps: float,
+def _mhc_post_collapse_quant_triton(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps: float, y2=None,
                                     config: dict | None = None):
     """CUDA (or interpreter) path of ``mhc_post_collapse_quant``."""
-    return _launch_collapse(stream, pre_prev, norm_w, eps, (y, post_prev, comb_prev), config, quant=True)
+    return _launch_collapse(stream, pre_prev, norm_w, eps, (y, post_prev, comb_prev, y2), config, quant=True)
 
 
 def _mhc_coeffs_triton(stream, fn, base, scale, eps: float, hc_eps: float, iters: int, config: dict | None = None):
@@ -817,10 +834,10 @@ def _mhc_post_triton(stream, y, post, comb, y2=None, config: dict | None = None)
 
 
 def _mhc_post_pre_triton(stream, y, post_prev, comb_prev, fn, base, scale, pre_prev, norm_w, eps: float,
-                         hc_eps: float, iters: int, config: dict | None = None):
+                         hc_eps: float, iters: int, y2=None, config: dict | None = None):
     """CUDA (or interpreter) path of ``mhc_post_pre``: _mhc_pre_kernel with FUSE_POST, then the epilogue."""
     return _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters,
-                       (y, post_prev, comb_prev), config)
+                       (y, post_prev, comb_prev, y2), config)
 
 
 # --------------------------------------------------------------------------- fake (meta) implementations
@@ -837,7 +854,8 @@ def _mhc_post_fake(stream, y, post, comb, y2=None):
     return torch.empty_like(stream)
 
 
-def _mhc_post_pre_fake(stream, y, post_prev, comb_prev, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters):
+def _mhc_post_pre_fake(stream, y, post_prev, comb_prev, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters,
+                       y2=None):
     return (torch.empty_like(stream), *_mhc_pre_fake(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters))
 
 
@@ -845,7 +863,7 @@ def _mhc_collapse_fake(stream, pre_prev, norm_w, eps):
     return stream.new_empty(stream.shape[0], stream.shape[2])
 
 
-def _mhc_post_collapse_fake(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps):
+def _mhc_post_collapse_fake(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps, y2=None):
     return torch.empty_like(stream), _mhc_collapse_fake(stream, pre_prev, norm_w, eps)
 
 
@@ -855,7 +873,7 @@ def _mhc_collapse_quant_fake(stream, pre_prev, norm_w, eps):
             stream.new_empty(T, 1, dtype=torch.float32))
 
 
-def _mhc_post_collapse_quant_fake(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps):
+def _mhc_post_collapse_quant_fake(stream, y, post_prev, comb_prev, pre_prev, norm_w, eps, y2=None):
     return (torch.empty_like(stream), *_mhc_collapse_quant_fake(stream, pre_prev, norm_w, eps))
 
 
@@ -875,7 +893,7 @@ mhc_post = define_op(
     mhc_post_ref, _mhc_post_triton, _mhc_post_fake)
 mhc_post_pre = define_op(
     "mhc_post_pre",
-    f"(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, {_PRE_ARGS}) "
+    f"(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, {_PRE_ARGS}, Tensor? y2=None) "
     "-> (Tensor, Tensor, Tensor, Tensor, Tensor)",
     mhc_post_pre_ref, _mhc_post_pre_triton, _mhc_post_pre_fake)
 mhc_collapse = define_op(
@@ -883,8 +901,8 @@ mhc_collapse = define_op(
     mhc_collapse_ref, _mhc_collapse_triton, _mhc_collapse_fake)
 mhc_post_collapse = define_op(
     "mhc_post_collapse",
-    "(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, Tensor pre_prev, Tensor norm_w, float eps) "
-    "-> (Tensor, Tensor)",
+    "(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, Tensor pre_prev, Tensor norm_w, float eps, "
+    "Tensor? y2=None) -> (Tensor, Tensor)",
     mhc_post_collapse_ref, _mhc_post_collapse_triton, _mhc_post_collapse_fake)
 mhc_coeffs = define_op(
     "mhc_coeffs",
@@ -896,6 +914,6 @@ mhc_collapse_quant = define_op(
     mhc_collapse_quant_ref, _mhc_collapse_quant_triton, _mhc_collapse_quant_fake)
 mhc_post_collapse_quant = define_op(
     "mhc_post_collapse_quant",
-    "(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, Tensor pre_prev, Tensor norm_w, float eps) "
-    "-> (Tensor, Tensor, Tensor, Tensor)",
+    "(Tensor stream, Tensor y, Tensor post_prev, Tensor comb_prev, Tensor pre_prev, Tensor norm_w, float eps, "
+    "Tensor? y2=None) -> (Tensor, Tensor, Tensor, Tensor)",
     mhc_post_collapse_quant_ref, _mhc_post_collapse_quant_triton, _mhc_post_collapse_quant_fake)
