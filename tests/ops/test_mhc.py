@@ -419,6 +419,21 @@ def test_cuda_post_with_two_parts_is_post_of_their_sum(T, dtype):
 
 
 @requires_cuda
+@pytest.mark.parametrize("T", [1, 64, 2048])
+def test_cuda_folded_post_mix_is_bitwise_post(T):
+    """The previous layer's FFN post-mix folded into the next boundary with the MoE's two parts (``y2``): the new
+    stream of ``mhc_post_collapse`` / ``mhc_post_collapse_quant`` / ``mhc_post_pre`` bitwise ``mhc_post``'s with y2,
+    so the folded and the unfolded layer orders serve the same streams."""
+    t = make_inputs(T, 4, 5120, torch.bfloat16, seed=T, device="cuda")
+    ops = torch.ops.dsv41
+    want = ops.mhc_post(*post_add_args(t))
+    assert torch.equal(ops.mhc_post_pre(*post_pre_add_args(t))[0], want)
+    if T <= 64:  # the split boundary's decode sizes
+        assert torch.equal(ops.mhc_post_collapse(*post_collapse_add_args(t))[0], want)
+        assert torch.equal(ops.mhc_post_collapse_quant(*post_collapse_add_args(t))[0], want)
+
+
+@requires_cuda
 @pytest.mark.parametrize("T", [1, 16, 64])
 def test_cuda_split_boundary_equals_fused(T):
     """The deferred-coefficient boundary against the fused ops at decode sizes: the post-mixed stream bitwise equal
