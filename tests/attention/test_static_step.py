@@ -61,6 +61,8 @@ def test_load_refills_every_buffer_in_place(packed, device, monkeypatch):
     before = {k: t.data_ptr() for k, t in _buffers(step).items()}
     for seed in (1, 2):  # twice: a second load must not see the first one's values
         nxt = graphs.pad_decode_meta(_meta(4 if seed == 1 else 2, seed, device=device), 4)
+        if seed == 2:  # groups listed in another order: each buffer still gets its own group's table
+            nxt.groups = dict(reversed(list(nxt.groups.items())))
         ids = torch.arange(7, 7 + nxt.num_tokens, device=device)
         step.load(nxt, ids, nxt.num_tokens)
         bufs = {k: t.cpu() for k, t in _buffers(step).items()}  # (on CUDA: after the copies, stream order)

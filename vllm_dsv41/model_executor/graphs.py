@@ -368,10 +368,14 @@ class StaticStep(Step):
         self.__dict__.pop("request_spans", None)  # Step's cached host facts of the previous step
         self.input_ids[:n].copy_(input_ids[:n])
         self.input_ids[n:].zero_()
-        groups: dict[int, tuple[StaticGroupView, DSV41GroupMetadata]] = {}
+        by_view: dict[int, DSV41GroupMetadata] = {}
         for name, g in meta.groups.items():
-            groups.setdefault(id(self._views[name]), (self._views[name], g))
-        pairs = list(groups.values())
+            by_view.setdefault(id(self._views[name]), g)
+        missing = [v.md.layer_names[0] for v in self._group_views if id(v) not in by_view]
+        if missing:
+            raise ValueError(f"StaticStep.load: no metadata for the cache groups of {missing}")
+        # in the buffers' own order (the packed refill writes the flat buffers front to back)
+        pairs = [(v, by_view[id(v)]) for v in self._group_views]
         for v, _ in pairs:
             v._bt64 = None  # the int64 view (plain path only) is remade from the buffer when read
         fields = self._fields(meta)
