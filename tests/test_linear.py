@@ -243,6 +243,17 @@ def test_moe_backend_env(monkeypatch):
         linear.moe_backend()
 
 
+def test_fp8_moe_gemm_env(monkeypatch):
+    """``VLLM_DSV41_FP8_MOE_GEMM`` picks the prefill FP8 experts' grouped GEMM; a bad value names the variable."""
+    monkeypatch.delenv(linear.FP8_MOE_GEMM_ENV, raising=False)
+    assert linear.fp8_moe_gemm_backend() == "triton"
+    monkeypatch.setenv(linear.FP8_MOE_GEMM_ENV, " CUTLASS ")
+    assert linear.fp8_moe_gemm_backend() == "cutlass"
+    monkeypatch.setenv(linear.FP8_MOE_GEMM_ENV, "deepgemm")
+    with pytest.raises(ValueError, match="VLLM_DSV41_FP8_MOE_GEMM='deepgemm': expected triton or cutlass"):
+        linear.fp8_moe_gemm_backend()
+
+
 @pytest.mark.parametrize("version,hidden,inter,want", [
     ("3.5.1", 5120, 2304, "ogs"),     # the bench / full widths, triton_kernels as vLLM's CUDA wheel vendors it
     ("3.6", 5120, 2304, "ogs"),

@@ -13,7 +13,9 @@ at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``tr
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
 ``ogs_flags`` (that MoE under triton_kernels' opt-flag constraints at ``--tokens`` and ``--prefill``),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
-``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``), ``dequant``
+``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way, and its CUTLASS route; both against
+``matmul_ogs``), ``moe_cutlass`` (``matmul_ogs``, ``fp8_moe`` on Triton and on CUTLASS at the ``--tokens`` and
+``--prefill`` sizes), ``dequant``
 (its MXFP4 -> FP8 conversion under a tile sweep), ``w8a8`` / ``w8a8_grouped`` (FP8 dense GEMM paths against bf16,
 every dense shape or the grouped ``wo_a`` only), ``norm_quant`` (the q norm + ``wq_b`` with and without the fused
 norm-quantisation, ``VLLM_DSV41_FUSED_QUANT``), ``fused_quant`` (the collapses' and the shared expert activation's
@@ -22,7 +24,7 @@ quantisation in their own launch against the op + vLLM's quantisation),
 384, tile variants), ``mhc`` (``mhc_pre`` / ``mhc_post_pre`` with fp32 streams, the model's dtype) and ``mhc_sweep``
 (the same at the ``--prefill`` sizes, the projection in the kernel or through cuBLAS), ``compressor``
 (``compress_insert`` on its two routes, ``topk_select`` at decode widths).  Image torch + Triton suffice
-for all but ``dense``, ``moe_ogs``, ``ogs_flags``, ``moe_bf16`` and ``moe_fp8``.  Not collected by pytest.
+for all but ``dense``, ``moe_ogs``, ``ogs_flags``, ``moe_bf16``, ``moe_fp8`` and ``moe_cutlass``.  Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -503,6 +505,9 @@ def _moe_tile_sweep(label: str, sweep: tuple, tokens: list[int], iters: int, fp8
                   flush=True)
         else:
             ref = None
+        if fp8:  # VLLM_DSV41_FP8_MOE_GEMM=cutlass: the same operands through vLLM's CUTLASS grouped GEMM
+            _time_moe(f"moe_fp8 cutlass T={T}", lambda: linear.fp8_moe(x, stack, rows, idx, wts, 10.0, gemm="cutlass"),
+                      iters, flop, ref)
         for bm, bn, bk, gm, nw, ns in sweep:
             cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=nw, num_stages=ns)
             name = f"moe_{label} T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
@@ -516,6 +521,43 @@ def _moe_tile_sweep(label: str, sweep: tuple, tokens: list[int], iters: int, fp8
                       f"diff {diff.item():.1e}  [{top}]", flush=True)
             except Exception as exc:  # a tile that does not fit
                 print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
+
+
+def _time_moe(name: str, fn, iters: int, flop: float, ref: torch.Tensor | None) -> None:
+    """One MoE path's CUPTI time, rate, its three longest kernels and its difference from ``ref`` (if any)."""
+    try:
+        total, per = kernel_us(fn, iters)
+        got = fn().float()
+        diff = f"diff {((got - ref).norm() / ref.norm()).item():.1e}" if ref is not None else ""
+        top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
+        print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  {diff}  [{top}]", flush=True)
+    except Exception as exc:  # noqa: BLE001 - a path that fails is reported, the others still run
+        print(f"{name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+
+
+def section_moe_cutlass(tokens: list[int], iters: int) -> None:
+    """The prefill experts three ways at each token count: ``matmul_ogs`` on the MXFP4 bytes (the default below
+    ``VLLM_DSV41_MOE_FP8_FROM``), ``fp8_moe`` through vLLM's Triton fused-MoE kernel (the default above it) and
+    ``fp8_moe`` through vLLM's CUTLASS grouped GEMM (``VLLM_DSV41_FP8_MOE_GEMM=cutlass``); each FP8 time includes
+    the layer's MXFP4 -> FP8 conversion.  "diff" is against ``matmul_ogs``."""
+    import bench_gemm as bg
+
+    from vllm_dsv41.model_executor import linear
+
+    experts = bg.random_experts()
+    stack = linear.mxfp4_expert_stack(experts)
+    rows = linear.fp8_row_exponents(stack)
+    ogs = linear.ogs_expert_stack(experts)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"\nprefill MoE paths: E={bg.E} top-{bg.TOPK} H={bg.H} I={bg.I}")
+    for T in tokens:
+        x, idx, wts = routed_batch(T, g)
+        flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
+        ref = linear.ogs_moe(x, ogs, idx, wts, 10.0).float()
+        _time_moe(f"moe_ogs T={T}", lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters, flop, None)
+        for gemm in ("triton", "cutlass"):
+            _time_moe(f"moe_fp8 {gemm} T={T}", lambda m=gemm: linear.fp8_moe(x, stack, rows, idx, wts, 10.0, gemm=m),
+                      iters, flop, ref)
 
 
 def short_prompt_case(bsa, T: int) -> dict:
@@ -757,6 +799,8 @@ def main() -> int:
             _moe_tile_sweep("fp8" if fp8 else "bf16", FP8_MOE_SWEEP if fp8 else BF16_MOE_SWEEP, a.prefill, a.iters, fp8)
         elif name == "moe_ogs":
             section_moe_ogs(sorted(set(a.tokens) | {512, 4096}), a.iters)
+        elif name == "moe_cutlass":
+            section_moe_cutlass(a.tokens + a.prefill, a.iters)
         elif name == "ogs_flags":
             section_ogs_flags(a.tokens + a.prefill, a.iters)
         elif name == "mhc":

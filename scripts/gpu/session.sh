@@ -21,6 +21,7 @@
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh quant [fast]    # the fused activation quantisations: CUDA tests, kernel times (fast path)
 #   scripts/gpu/session.sh compress        # compress_insert's small-row route, StaticStep.load: CUDA tests, kernel times
+#   scripts/gpu/session.sh cutlass_moe     # the prefill experts' FP8 GEMMs on CUTLASS: CUDA tests, kernel times
 #   VARIANTS="a: b:ENV=1" scripts/gpu/session.sh variants [ARGS]   # a workload's timeline under each setting
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
 #   scripts/gpu/session.sh paths           # the session-9 paths (gathered FlashMLA prefill, fp8_gemm, swap-AB MoE):
@@ -199,6 +200,16 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only compressor --tokens 1 16 64 256 4096) \
       > "$OUT/compress-times.log" 2>&1
     grep -E "^(compress_insert|topk_select)" "$OUT/compress-times.log" | cut -c1-170 ;;
+  cutlass_moe)
+    # session 23: the prefill experts' FP8 GEMMs through vLLM's CUTLASS grouped GEMM (VLLM_DSV41_FP8_MOE_GEMM=cutlass):
+    # its CUDA test against fp8_moe_ref and the expert loop (both routes), then kernel times against the Triton route
+    # and matmul_ogs at decode and prefill sizes
+    timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py -k fp8_moe \
+      > "$OUT/cutlass-moe-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error|rel err" "$OUT/cutlass-moe-tests.log" | tail -12
+    (cd benchmarks/ops && timeout 200 python3 kernel_times.py --only moe_cutlass --tokens 64 --prefill 2048 4096 16384 \
+      --iters 5) > "$OUT/cutlass-moe-times.log" 2>&1
+    grep -E "^moe_" "$OUT/cutlass-moe-times.log" | cut -c1-200 ;;
   variants)
     # one workload's timeline (the rest of the arguments; default batch 64) under each of VARIANTS, space-separated
     # name:ENV=VALUE,ENV=VALUE entries ("name:" for the defaults), each under LIMIT seconds (default 120), the first

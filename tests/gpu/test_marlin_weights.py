@@ -189,11 +189,12 @@ def test_bf16_moe(T):
     assert got.dtype == x.dtype and err < REL_TOL
 
 
+@pytest.mark.parametrize("gemm", ["triton", "cutlass"])
 @pytest.mark.parametrize("T", [1, 300, 4096])
-def test_fp8_moe(T):
-    """The FP8 prefill MoE (MXFP4 -> FP8 per-row, per-token FP8 activations, vLLM's FP8 fused-MoE GEMMs) against its
-    fp32 reference arithmetic (``fp8_moe_ref``: the kernels' part of the error) and the expert loop (the FP8
-    rounding of the activations, as the W8A8 dense GEMMs)."""
+def test_fp8_moe(T, gemm):
+    """The FP8 prefill MoE (MXFP4 -> FP8 per-row, per-token FP8 activations, vLLM's FP8 fused-MoE GEMMs: Triton or
+    CUTLASS, ``VLLM_DSV41_FP8_MOE_GEMM``) against its fp32 reference arithmetic (``fp8_moe_ref``: the kernels' part
+    of the error) and the expert loop (the FP8 rounding of the activations, as the W8A8 dense GEMMs)."""
     E, H, I, k, limit = 32, 5120, 2304, 6, 10.0
     experts = _random_experts(E, H, I)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -201,11 +202,11 @@ def test_fp8_moe(T):
     idx = torch.rand(T, E, device="cuda", generator=g).argsort(1)[:, :k]
     wts = torch.rand(T, k, device="cuda", generator=g)
     stack = mxfp4_expert_stack(experts)
-    got = fp8_moe(x, stack, fp8_row_exponents(stack), idx, wts, limit)
+    got = fp8_moe(x, stack, fp8_row_exponents(stack), idx, wts, limit, gemm=gemm)
     same_math = fp8_moe_ref(x, stack, idx, wts, limit)  # bf16 intermediates, as the kernels store them
     exact = loop_moe(x.float(), experts, idx, wts, limit)
     e_ref, e_exact = _rel(got, same_math), _rel(got, exact)
-    print(f"fp8 moe (prefill path) T={T}: rel err vs its fp32 arithmetic {e_ref:.2e}, vs the exact experts "
+    print(f"fp8 moe (prefill path, {gemm}) T={T}: rel err vs its fp32 arithmetic {e_ref:.2e}, vs the exact experts "
           f"{e_exact:.2e}")
     assert got.dtype == x.dtype and torch.isfinite(got).all()
     # H200: session 15 against fp32 intermediates 1.33e-2 to 1.36e-2 vs its arithmetic, 4.6e-2 to 4.7e-2 vs exact;

@@ -56,6 +56,7 @@ MOE_BF16_FROM_ENV = "VLLM_DSV41_MOE_BF16_FROM"
 MOE_FP8_FROM_ENV = "VLLM_DSV41_MOE_FP8_FROM"
 GROUPED_GEMM_ENV = "VLLM_DSV41_GROUPED_GEMM"
 SMALL_GEMM_ENV = "VLLM_DSV41_SMALL_GEMM"
+FP8_MOE_GEMM_ENV = "VLLM_DSV41_FP8_MOE_GEMM"
 FUSED_QUANT_ENV = "VLLM_DSV41_FUSED_QUANT"
 FUSED_ACT_QUANT_ENV = "VLLM_DSV41_FUSED_ACT_QUANT"
 E8M0_ONE = 127  # UE8M0 byte of 2^0: the dummy loader's value for scales (weights stay finite)
@@ -227,6 +228,17 @@ def moe_fp8_from(device: torch.device) -> int:
     (:func:`w8a8_supported`), else 0."""
     default = DEFAULT_MOE_FP8_FROM if device.type != "cuda" or w8a8_supported(device) else 0
     return env_count(MOE_FP8_FROM_ENV, default, "a token count >= 0 (0: never)")
+
+
+def fp8_moe_gemm_backend() -> str:
+    """``VLLM_DSV41_FP8_MOE_GEMM``: the grouped GEMMs of :func:`fp8_moe` (the prefill experts in FP8) - ``triton``
+    (default: vLLM's Triton fused-MoE kernel, :data:`FP8_MOE_TILES`) or ``cutlass`` (vLLM's CUTLASS grouped FP8 GEMM
+    for SM90, ``cutlass_moe_mm``, on rows permuted by expert; :func:`_cutlass_moe_gemms`).  The same operands and
+    scales either way; session 23 built the CUTLASS route without a GPU, so it stays opt-in until measured."""
+    v = os.environ.get(FP8_MOE_GEMM_ENV, "triton").strip().lower() or "triton"
+    if v not in ("triton", "cutlass"):
+        raise ValueError(f"{FP8_MOE_GEMM_ENV}={v!r}: expected triton or cutlass")
+    return v
 
 
 @dataclass(frozen=True)
@@ -869,12 +881,14 @@ tiles with 128-wide K steps (an FP8 MMA takes K = 32 per instruction; 128 bytes 
 
 
 def fp8_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], rows: tuple[torch.Tensor, ...], idx: torch.Tensor,
-            wts: torch.Tensor, limit: float, config: dict | None = None) -> torch.Tensor:
+            wts: torch.Tensor, limit: float, config: dict | None = None, gemm: str | None = None) -> torch.Tensor:
     """Routed experts in FP8 for a large batch (prefill): the MXFP4 stack (:func:`mxfp4_expert_stack`) turned into
     FP8 under one power of two per row (``dsv41::dequant_mxfp4_fp8``; ``rows`` = :func:`fp8_row_exponents`), the
-    activations quantised per token (vLLM's dynamic FP8 quantisation, as ``w8a8_gemm``), then vLLM's Triton
-    fused-MoE GEMMs with per-token x per-channel scales and the clamped SwiGLU between them.  x [T, H], idx [T, k],
-    wts [T, k] -> [T, H] (x's dtype).  CUDA only (the CPU reference of its arithmetic is :func:`fp8_moe_ref`)."""
+    activations quantised per token (vLLM's dynamic FP8 quantisation, as ``w8a8_gemm``), then two grouped GEMMs
+    with per-token x per-channel scales and the clamped SwiGLU between them: vLLM's Triton fused-MoE kernel
+    (``config``: its tiles) or its CUTLASS grouped GEMM (``gemm``, default :func:`fp8_moe_gemm_backend`).  x [T, H],
+    idx [T, k], wts [T, k] -> [T, H] (x's dtype).  CUDA only (the CPU reference of its arithmetic is
+    :func:`fp8_moe_ref`)."""
     from vllm_dsv41.ops import dequant_mxfp4  # noqa: F401
 
     w13q, s13, w2q, s2 = stack
@@ -882,7 +896,57 @@ def fp8_moe(x: torch.Tensor, stack: tuple[torch.Tensor, ...], rows: tuple[torch.
     w13, w2 = _scratch(w13q, w2q, torch.float8_e4m3fn)
     torch.ops.dsv41.dequant_mxfp4_fp8(w13q, s13, e13, w13)
     torch.ops.dsv41.dequant_mxfp4_fp8(w2q, s2, e2, w2)
+    if (gemm or fp8_moe_gemm_backend()) == "cutlass":
+        return _cutlass_moe_gemms(x, w13, w2, (r13, r2), idx, wts, limit)
     return _fused_moe_gemms(x, w13, w2, (r13, r2), idx, wts, limit, dict(config) if config else dict(FP8_MOE_TILES))
+
+
+_CUTLASS_STRIDES: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _cutlass_strides(E: int, H: int, I: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``cutlass_moe_mm``'s per-expert row strides (int64 [E] each): (x and w13 rows: H, h rows: 2I, act and w2
+    rows: I, y rows: H), made once per shape and device (a captured pass must not allocate them anew)."""
+    key = (E, H, I, device)
+    if key not in _CUTLASS_STRIDES:
+        _CUTLASS_STRIDES[key] = tuple(torch.full((E,), n, dtype=torch.int64, device=device) for n in (H, 2 * I, I))
+    return _CUTLASS_STRIDES[key]
+
+
+def _cutlass_moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row_scales: tuple[torch.Tensor, ...],
+                       idx: torch.Tensor, wts: torch.Tensor, limit: float) -> torch.Tensor:
+    """:func:`_fused_moe_gemms`' FP8 arithmetic through vLLM's CUTLASS grouped GEMM (SM90): x quantised per token,
+    its (token, slot) rows permuted into expert order (``moe_permute``, the scales with them), ``cutlass_moe_mm``
+    against w13 [E, 2I, H] under the per-row scales, the clamped SwiGLU, the activations quantised per token,
+    ``cutlass_moe_mm`` against w2 [E, H, I], then ``moe_unpermute`` weights each row by its routing weight and sums
+    the k slots of a token.  The routing weight multiplies the bf16 GEMM output here (the Triton route multiplies
+    in the GEMM's fp32 epilogue): one more bf16 rounding, within the test's bound.  -> [T, H] (x's dtype)."""
+    from vllm import _custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.activation import (ApplyMoEActivationConfig, MoEActivation,
+                                                                apply_moe_activation)
+    from vllm.model_executor.layers.fused_moe.moe_permute_unpermute import moe_permute, moe_unpermute
+
+    T, k = idx.shape
+    E, N, H = w13.shape
+    I = N // 2
+    s13, s2 = row_scales
+    rows_h, rows_n, rows_i = _cutlass_strides(E, H, I, x.device)
+    a, a_scale = vops.scaled_fp8_quant(x.to(FAST_GEMM_DTYPE).contiguous(), use_per_token_if_dynamic=True)
+    a, a_scale, first, inverse, _ = moe_permute(a, a_scale, idx.to(torch.int32).contiguous(), E, E)
+    sizes1 = torch.empty(E, 3, dtype=torch.int32, device=x.device)
+    sizes2 = torch.empty(E, 3, dtype=torch.int32, device=x.device)
+    vops.get_cutlass_moe_mm_problem_sizes_from_expert_offsets(first, sizes1, sizes2, I, H, T * k <= 64)
+    offsets = first[:-1]
+    h = torch.empty(T * k, N, dtype=FAST_GEMM_DTYPE, device=x.device)
+    vops.cutlass_moe_mm(h, a, w13, a_scale.contiguous(), s13, offsets, sizes1, rows_h, rows_h, rows_n, True, True)
+    act = torch.empty(T * k, I, dtype=FAST_GEMM_DTYPE, device=x.device)
+    apply_moe_activation(MoEActivation.SILU, act, h, activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
+    act, act_scale = vops.scaled_fp8_quant(act, use_per_token_if_dynamic=True)
+    y = torch.empty(T * k, H, dtype=FAST_GEMM_DTYPE, device=x.device)
+    vops.cutlass_moe_mm(y, act, w2, act_scale, s2, offsets, sizes2, rows_i, rows_i, rows_h, True, True)
+    out = torch.empty(T, H, dtype=FAST_GEMM_DTYPE, device=x.device)
+    moe_unpermute(out, y, wts.float().contiguous(), inverse, first)
+    return out.to(x.dtype)
 
 
 def fp8_moe_ref(x: torch.Tensor, stack: tuple[torch.Tensor, ...], idx: torch.Tensor, wts: torch.Tensor,
