@@ -21,6 +21,7 @@
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh quant [fast]    # the fused activation quantisations: CUDA tests, kernel times (fast path)
 #   scripts/gpu/session.sh compress        # compress_insert's small-row route, StaticStep.load: CUDA tests, kernel times
+#   scripts/gpu/session.sh quick           # tiny checkpoint vs CPU reference (ops path), the fast path end to end, cutlass_moe
 #   scripts/gpu/session.sh cutlass_moe     # the prefill experts' FP8 GEMMs on CUTLASS: CUDA tests, kernel times
 #   VARIANTS="a: b:ENV=1" scripts/gpu/session.sh variants [ARGS]   # a workload's timeline under each setting
 #   scripts/gpu/session.sh timeline [ARGS] # a workload's engine steps: pace, host and GPU time (default batch 64, 1k prompts)
@@ -200,6 +201,14 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only compressor --tokens 1 16 64 256 4096) \
       > "$OUT/compress-times.log" 2>&1
     grep -E "^(compress_insert|topk_select)" "$OUT/compress-times.log" | cut -c1-170 ;;
+  quick)
+    # a short device window's acceptance check: the tiny checkpoint on the ops path against the CPU reference, the fast
+    # path end to end (small checkpoint) on the current defaults, then `cutlass_moe`'s CUDA tests and kernel times
+    timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      "tests/gpu/test_tiny_cuda.py::test_tiny_cuda_matches_reference[ops]" tests/gpu/test_fast_path_cuda.py \
+      > "$OUT/quick-tests.log" 2>&1
+    grep -E "passed|failed|error|equal|divergence|rel err|median|prompt" "$OUT/quick-tests.log" | cut -c1-200 | tail -24
+    bash "$0" cutlass_moe ;;
   cutlass_moe)
     # session 23: the prefill experts' FP8 GEMMs through vLLM's CUTLASS grouped GEMM (VLLM_DSV41_FP8_MOE_GEMM=cutlass):
     # its CUDA test against fp8_moe_ref and the expert loop (both routes), then kernel times against the Triton route
