@@ -671,3 +671,88 @@ def test_misspelt_fused_quant_fails_the_engine_start(tiny_ckpt, monkeypatch):
     with pytest.raises(ValueError, match="VLLM_DSV41_FUSED_QUANT='true': expected 1 or 0"):
         vllm_config = types.SimpleNamespace(model_config=types.SimpleNamespace(hf_config=None))
         model.DeepseekV41ForCausalLM(vllm_config=vllm_config)
+
+
+def _cutlass_moe_stand_ins(monkeypatch, calls: list) -> None:
+    """CPU stand-ins for the vLLM kernels ``linear._cutlass_moe_gemms`` calls, each doing what vLLM documents (the
+    problem sizes swapped, and the kernel's own swap-AB choice, below 65 rows), and checking the strides it is given
+    against the contiguous layouts the CUDA kernels assume."""
+    from vllm import _custom_ops as vops
+    from vllm.model_executor.layers.fused_moe import activation, moe_permute_unpermute
+
+    from vllm_dsv41.reference.model import clamped_swiglu_act
+
+    def quant(x, scale=None, use_per_token_if_dynamic=False, output=None):
+        assert use_per_token_if_dynamic and scale is None and x.is_contiguous()
+        return formats.quant_fp8_tokens(x)
+
+    def permute(a, a_scale, idx, n_expert, n_local):
+        T, k = idx.shape
+        order = torch.sort(idx.flatten().long(), stable=True).indices  # (token, slot) pairs, grouped by expert
+        first = torch.zeros(n_expert + 1, dtype=torch.int64)
+        first[1:] = torch.bincount(idx.flatten().long(), minlength=n_expert).cumsum(0)
+        inverse = torch.empty(T * k, dtype=torch.int32)
+        inverse[order] = torch.arange(T * k, dtype=torch.int32)
+        return a[order // k], a_scale[order // k], first, inverse, order
+
+    def sizes(first, ps1, ps2, n, k, swap_ab):
+        calls.append(("swap_ab", swap_ab))
+        m = (first[1:] - first[:-1]).int()
+        for ps, cols, inner in ((ps1, 2 * n, k), (ps2, k, n)):  # (M, N, K) per expert, (N, M, K) when swapped
+            ps[:, 0], ps[:, 1], ps[:, 2] = (cols, m, inner) if swap_ab else (m, cols, inner)
+
+    def moe_mm(out, a, b, a_scales, b_scales, offsets, ps, a_strides, b_strides, c_strides, per_act, per_out):
+        assert per_act and per_out and a.dtype == b.dtype == torch.float8_e4m3fn
+        swap = a.shape[0] <= 64
+        assert (a_strides == a.shape[1]).all() and (b_strides == b.shape[2]).all() and (c_strides == out.shape[1]).all()
+        for e in range(b.shape[0]):
+            m, n, kk = (ps[e, 1], ps[e, 0], ps[e, 2]) if swap else ps[e].tolist()
+            m, n, kk = int(m), int(n), int(kk)
+            assert (n, kk) == (b.shape[1], b.shape[2]) and kk == a.shape[1]
+            r = slice(int(offsets[e]), int(offsets[e]) + m)
+            out[r] = ((a[r].float() @ b[e].float().t()) * a_scales[r] * b_scales[e].reshape(1, -1)).to(out.dtype)
+        calls.append(("cutlass_moe_mm", a.shape[0]))
+
+    def act(kind, out, h, activation_config=None, **_):
+        I = out.shape[1]
+        out.copy_(clamped_swiglu_act(h[:, :I].float(), h[:, I:].float(), activation_config.clamp_limit))
+
+    def unpermute(out, permuted_hidden_states, topk_weights, inv_permuted_idx, expert_first_token_offset=None):
+        T, k = topk_weights.shape
+        y = permuted_hidden_states[inv_permuted_idx.long()].float().view(T, k, -1)
+        out.copy_((y * topk_weights.float()[..., None]).sum(1).to(out.dtype))
+
+    monkeypatch.setattr(vops, "scaled_fp8_quant", quant)
+    monkeypatch.setattr(vops, "get_cutlass_moe_mm_problem_sizes_from_expert_offsets", sizes)
+    monkeypatch.setattr(vops, "cutlass_moe_mm", moe_mm)
+    monkeypatch.setattr(activation, "apply_moe_activation", act)
+    monkeypatch.setattr(moe_permute_unpermute, "moe_permute", permute)
+    monkeypatch.setattr(moe_permute_unpermute, "moe_unpermute", unpermute)
+
+
+@pytest.mark.parametrize("T", [5, 40])  # 10 (token, slot) rows: the swap-AB problem sizes; 80: the plain ones
+def test_cutlass_moe_glue_matches_fp8_reference(T, monkeypatch):
+    """``linear._cutlass_moe_gemms`` (``VLLM_DSV41_FP8_MOE_GEMM=cutlass``) wires vLLM's permute, CUTLASS grouped GEMM
+    and unpermute so that, with stand-ins doing what each kernel documents, the layer computes ``fp8_moe_ref``'s
+    arithmetic (FP8 rows per expert, per-token activation scales, the clamped SwiGLU, routing weights).  The CUDA
+    kernels themselves are checked on the GPU (tests/gpu/test_marlin_weights.py::test_fp8_moe[cutlass])."""
+    E, H, I, k, limit = 4, 64, 32, 2, 1.5
+    g = torch.Generator().manual_seed(T)
+    stack = []
+    for r, c in ((2 * I, H), (H, I)):
+        q, s = formats.quant_mxfp4(torch.randn(E, r, c, generator=g) * 0.2)
+        stack += [q.view(torch.uint8), formats.as_uint8(s)]
+    w13q, s13, w2q, s2 = stack
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.rand(T, E, generator=g).argsort(1)[:, :k]
+    wts = torch.rand(T, k, generator=g)
+    calls: list = []
+    _cutlass_moe_stand_ins(monkeypatch, calls)
+    w13, r13 = formats.mxfp4_to_fp8_rows(w13q, s13)
+    w2, r2 = formats.mxfp4_to_fp8_rows(w2q, s2)
+    got = linear._cutlass_moe_gemms(x, w13, w2, (r13, r2), idx, wts, limit)
+    want = linear.fp8_moe_ref(x, (w13q, s13, w2q, s2), idx, wts, limit)
+    assert calls == [("swap_ab", T * k <= 64), ("cutlass_moe_mm", T * k), ("cutlass_moe_mm", T * k)]
+    assert got.dtype == x.dtype and got.shape == (T, H)
+    # the routing weight multiplies a bf16 GEMM output here (fp32 in the reference): a bf16 rounding apart
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item())
