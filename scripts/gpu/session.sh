@@ -213,10 +213,10 @@ case "${1:-}" in
     # session 23: the prefill experts' FP8 GEMMs through vLLM's CUTLASS grouped GEMM (VLLM_DSV41_FP8_MOE_GEMM=cutlass):
     # its CUDA test against fp8_moe_ref and the expert loop (both routes), then kernel times against the Triton route
     # and matmul_ogs at decode and prefill sizes
-    timeout 200 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py -k fp8_moe \
+    timeout 120 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_marlin_weights.py -k fp8_moe \
       > "$OUT/cutlass-moe-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error|rel err" "$OUT/cutlass-moe-tests.log" | tail -12
-    (cd benchmarks/ops && timeout 200 python3 kernel_times.py --only moe_cutlass --tokens 64 --prefill 2048 4096 16384 \
+    (cd benchmarks/ops && timeout 120 python3 kernel_times.py --only moe_cutlass --tokens 64 --prefill 2048 4096 16384 \
       --iters 5) > "$OUT/cutlass-moe-times.log" 2>&1
     grep -E "^moe_" "$OUT/cutlass-moe-times.log" | cut -c1-200 ;;
   variants)
