@@ -104,14 +104,16 @@ def test_fake_impl():
                                                                                         "test_faketensor"))
 
 
+@pytest.mark.parametrize("rows", ["*fp32", "*bf16"])  # bf16: the model's rows beside its fp32 ring
 @pytest.mark.parametrize("write", [False, True])
-def test_kernel_builds_for_sm90(write):
+def test_kernel_builds_for_sm90(write, rows):
     """Both launches compile for Hopper (Triton's own ptxas, no GPU): the interpreter does not type-check the int64
-    slot arithmetic or the scalar branches the way the compiler does."""
+    slot arithmetic or the scalar branches the way the compiler does (session 23: bf16 rows against the fp32 ring
+    gave the read launch's two branches values of two types, which only the compiler rejects)."""
     from tests.ops.conftest import sm90_build
 
     kernel = ring_op._kernels()
-    sig = {"rows_ptr": "*fp32", "pos_ptr": "*i64", "req_ptr": "*i64", "seq_ptr": "*i32", "rb_ptr": "*i32",
+    sig = {"rows_ptr": rows, "pos_ptr": "*i64", "req_ptr": "*i64", "seq_ptr": "*i32", "rb_ptr": "*i32",
            "slot_ptr": "*i64", "ring_ptr": "*fp32", "prev_ptr": "*fp32"}
     sig.update({n: "i32" for n in ("T", "W", "stride_rows", "stride_ring", "stride_prev", "capacity",
                                    "rows_per_block", "bstep", "rstep")})

@@ -99,14 +99,16 @@ def _ring_step_kernel(rows_ptr, pos_ptr, req_ptr, seq_ptr, rb_ptr, slot_ptr, rin
         tb = tl.maximum(t - 1, 0)
         in_step = (t > 0) & (tl.load(req_ptr + tb) == r) & (tl.load(pos_ptr + tb) == p - 1)
         out = prev_ptr + t.to(tl.int64) * stride_prev + cols
+        # both branches convert to prev's dtype: rows (bf16) and ring (fp32) differ, and Triton's compiler wants one
+        # type per variable after the if (the interpreter does not check it)
         if in_step:
-            v = tl.load(rows_ptr + tb.to(tl.int64) * stride_rows + cols, mask=ok)
+            v = tl.load(rows_ptr + tb.to(tl.int64) * stride_rows + cols, mask=ok).to(prev_ptr.dtype.element_ty)
         else:
             back = p - 1
             src = tl.load(rb_ptr + r).to(tl.int64) * capacity + (back % capacity + capacity) % capacity
             srow = (src // rows_per_block) * bstep + (src % rows_per_block) * rstep
-            v = tl.load(ring_ptr + srow * stride_ring + cols, mask=ok)
-        tl.store(out, v.to(prev_ptr.dtype.element_ty), mask=ok)
+            v = tl.load(ring_ptr + srow * stride_ring + cols, mask=ok).to(prev_ptr.dtype.element_ty)
+        tl.store(out, v, mask=ok)
 
 
 @functools.lru_cache(maxsize=None)
