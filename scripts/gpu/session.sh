@@ -208,7 +208,7 @@ case "${1:-}" in
       "tests/gpu/test_tiny_cuda.py::test_tiny_cuda_matches_reference[ops]" tests/gpu/test_fast_path_cuda.py \
       > "$OUT/quick-tests.log" 2>&1
     grep -E "passed|failed|error|equal|divergence|rel err|median|prompt" "$OUT/quick-tests.log" | cut -c1-200 | tail -24
-    bash "$0" cutlass_moe ;;
+    bash scripts/gpu/session.sh cutlass_moe ;;  # the repository root is the working directory (cd above)
   cutlass_moe)
     # session 23: the prefill experts' FP8 GEMMs through vLLM's CUTLASS grouped GEMM (VLLM_DSV41_FP8_MOE_GEMM=cutlass):
     # its CUDA test against fp8_moe_ref and the expert loop (both routes), then kernel times against the Triton route
