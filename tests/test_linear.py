@@ -706,8 +706,9 @@ def _cutlass_moe_stand_ins(monkeypatch, calls: list) -> None:
         swap = a.shape[0] <= 64
         assert (a_strides == a.shape[1]).all() and (b_strides == b.shape[2]).all() and (c_strides == out.shape[1]).all()
         for e in range(b.shape[0]):
-            m, n, kk = (ps[e, 1], ps[e, 0], ps[e, 2]) if swap else ps[e].tolist()
-            m, n, kk = int(m), int(n), int(kk)
+            m, n, kk = ps[e].tolist()
+            if swap:
+                m, n = n, m
             assert (n, kk) == (b.shape[1], b.shape[2]) and kk == a.shape[1]
             r = slice(int(offsets[e]), int(offsets[e]) + m)
             out[r] = ((a[r].float() @ b[e].float().t()) * a_scales[r] * b_scales[e].reshape(1, -1)).to(out.dtype)

@@ -13,8 +13,7 @@ at the bench shapes, and vLLM's Marlin MXFP4 MoE; needs vLLM), ``moe_ogs`` (``tr
 MoE vs Marlin on the same experts, at ``--tokens`` and 512, 4096, with their errors; needs vLLM's CUDA wheel),
 ``ogs_flags`` (that MoE under triton_kernels' opt-flag constraints at ``--tokens`` and ``--prefill``),
 ``moe_bf16`` (the prefill MoE, ``linear.bf16_moe``, under a sweep of vLLM fused-MoE tiles at the ``--prefill`` sizes),
-``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way, and its CUTLASS route; both against
-``matmul_ogs``), ``moe_cutlass`` (``matmul_ogs``, ``fp8_moe`` on Triton and on CUTLASS at the ``--tokens`` and
+``moe_fp8`` (the FP8 prefill MoE, ``linear.fp8_moe``, the same way; both against ``matmul_ogs``), ``moe_cutlass`` (``matmul_ogs``, ``fp8_moe`` on Triton and on CUTLASS at the ``--tokens`` and
 ``--prefill`` sizes), ``dequant``
 (its MXFP4 -> FP8 conversion under a tile sweep), ``w8a8`` / ``w8a8_grouped`` (FP8 dense GEMM paths against bf16,
 every dense shape or the grouped ``wo_a`` only), ``norm_quant`` (the q norm + ``wq_b`` with and without the fused
@@ -498,41 +497,29 @@ def _moe_tile_sweep(label: str, sweep: tuple, tokens: list[int], iters: int, fp8
     for T in tokens:
         x, idx, wts = routed_batch(T, g)
         flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
+        ref = None
         if ogs is not None:
-            ref = linear.ogs_moe(x, ogs, idx, wts, 10.0).float()
-            total, per = kernel_us(lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters)
-            print(f"{'moe_ogs T=' + str(T):<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s",
-                  flush=True)
-        else:
-            ref = None
-        if fp8:  # VLLM_DSV41_FP8_MOE_GEMM=cutlass: the same operands through vLLM's CUTLASS grouped GEMM
-            _time_moe(f"moe_fp8 cutlass T={T}", lambda: linear.fp8_moe(x, stack, rows, idx, wts, 10.0, gemm="cutlass"),
-                      iters, flop, ref)
+            ref = _time_moe(f"moe_ogs T={T}", lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters, flop, None)
         for bm, bn, bk, gm, nw, ns in sweep:
             cfg = dict(BLOCK_SIZE_M=bm, BLOCK_SIZE_N=bn, BLOCK_SIZE_K=bk, GROUP_SIZE_M=gm, num_warps=nw, num_stages=ns)
-            name = f"moe_{label} T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}"
-            try:
-                total, per = kernel_us(lambda c=cfg: path(x, idx, wts, c), iters)
-                got = path(x, idx, wts, cfg).float()
-                ref = got if ref is None else ref
-                diff = (got - ref).norm() / ref.norm()
-                top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
-                print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  "
-                      f"diff {diff.item():.1e}  [{top}]", flush=True)
-            except Exception as exc:  # a tile that does not fit
-                print(f"{name}: {type(exc).__name__}: {str(exc)[:120]}")
+            got = _time_moe(f"moe_{label} T={T} {bm}x{bn}x{bk} g{gm} w{nw} s{ns}",
+                            lambda c=cfg: path(x, idx, wts, c), iters, flop, ref)
+            ref = got if ref is None else ref  # no ogs: the sweep's first tile that runs
 
 
-def _time_moe(name: str, fn, iters: int, flop: float, ref: torch.Tensor | None) -> None:
-    """One MoE path's CUPTI time, rate, its three longest kernels and its difference from ``ref`` (if any)."""
+def _time_moe(name: str, fn, iters: int, flop: float, ref: torch.Tensor | None) -> torch.Tensor | None:
+    """Print one MoE path's CUPTI time, rate, three longest kernels and difference from ``ref`` (if any); -> its
+    output in fp32, or None where it failed (a tile that does not fit: reported, the others still run)."""
     try:
         total, per = kernel_us(fn, iters)
         got = fn().float()
-        diff = f"diff {((got - ref).norm() / ref.norm()).item():.1e}" if ref is not None else ""
-        top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
-        print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  {diff}  [{top}]", flush=True)
-    except Exception as exc:  # noqa: BLE001 - a path that fails is reported, the others still run
+    except Exception as exc:  # noqa: BLE001
         print(f"{name}: {type(exc).__name__}: {str(exc)[:160]}", flush=True)
+        return None
+    diff = f"diff {((got - ref).norm() / ref.norm()).item():.1e}" if ref is not None else ""
+    top = ", ".join(f"{k} {v:.0f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])[:3])
+    print(f"{name:<44} {total:10.1f} µs  {flop / (total * 1e-6) / 1e12:6.1f} TFLOP/s  {diff}  [{top}]", flush=True)
+    return got
 
 
 def section_moe_cutlass(tokens: list[int], iters: int) -> None:
@@ -553,8 +540,7 @@ def section_moe_cutlass(tokens: list[int], iters: int) -> None:
     for T in tokens:
         x, idx, wts = routed_batch(T, g)
         flop = 2 * T * bg.TOPK * 3 * bg.H * bg.I
-        ref = linear.ogs_moe(x, ogs, idx, wts, 10.0).float()
-        _time_moe(f"moe_ogs T={T}", lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters, flop, None)
+        ref = _time_moe(f"moe_ogs T={T}", lambda: linear.ogs_moe(x, ogs, idx, wts, 10.0), iters, flop, None)
         for gemm in ("triton", "cutlass"):
             _time_moe(f"moe_fp8 {gemm} T={T}", lambda m=gemm: linear.fp8_moe(x, stack, rows, idx, wts, 10.0, gemm=m),
                       iters, flop, ref)

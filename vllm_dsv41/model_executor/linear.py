@@ -939,7 +939,7 @@ def _cutlass_moe_gemms(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, row
     vops.get_cutlass_moe_mm_problem_sizes_from_expert_offsets(first, sizes1, sizes2, I, H, T * k <= 64)
     offsets = first[:-1]
     h = torch.empty(T * k, N, dtype=FAST_GEMM_DTYPE, device=x.device)
-    vops.cutlass_moe_mm(h, a, w13, a_scale.contiguous(), s13, offsets, sizes1, rows_h, rows_h, rows_n, True, True)
+    vops.cutlass_moe_mm(h, a, w13, a_scale, s13, offsets, sizes1, rows_h, rows_h, rows_n, True, True)
     act = torch.empty(T * k, I, dtype=FAST_GEMM_DTYPE, device=x.device)
     apply_moe_activation(MoEActivation.SILU, act, h, activation_config=ApplyMoEActivationConfig(clamp_limit=limit))
     act, act_scale = vops.scaled_fp8_quant(act, use_per_token_if_dynamic=True)
