@@ -59,7 +59,7 @@ def test_kernel_builds_for_sm90_without_spills(N, K, split):
            "floor": "fp32",
            **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "AMAX_K", "SPLIT_K", "THREADS", "INTERPRET")}}
     consts = {k: p[k] for k in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "SPLIT_K")} | {
-        "AMAX_K": 1024, "THREADS": 32 * p["num_warps"], "INTERPRET": False}
+        "AMAX_K": 8192, "THREADS": 32 * p["num_warps"], "INTERPRET": False}
     got = sm90_build(fv._fp8_gemv_kernel, sig, consts, p["num_warps"], p["num_stages"],
                      divisible_by_16=("N", "K", "NG", "k_per_split", "stride_xm"))
     print(f"fp8_gemv N={N} K={K} {p}: {got}")
@@ -113,8 +113,8 @@ def test_triton_interpreter():
 def test_cuda_bench_shapes(M, N, K, G):
     x, w8, ws = make_rows(M, N, K, seed=M + N, device="cuda")
     x = torch.randn(M, G * K, device="cuda").bfloat16() if G > 1 else x
-    want = fv.fp8_gemv_ref(x.cpu(), w8.cpu(), ws.cpu(), G).float().cuda()
+    want = fv.fp8_gemv_ref(x.cpu().float(), w8.cpu(), ws.cpu(), G).cuda()  # fp32: one bf16 rounding apart
     for _ in range(3):  # repeated launches: counters reset, no race between a tile's programs
         got = torch.ops.dsv41.fp8_gemv(x, w8, ws, G).float()
         err = ((got - want).norm() / want.norm()).item()
-        assert err < 2e-3, f"M={M} N={N} K={K} G={G}: rel err {err:.2e}"
+        assert err < 3e-3, f"M={M} N={N} K={K} G={G}: rel err {err:.2e}"

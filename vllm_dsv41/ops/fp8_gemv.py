@@ -196,7 +196,7 @@ def _fp8_gemv_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, g
     locks = _locks(x.device, groups * tiles) if split > 1 else out
     _fp8_gemv_kernel[(tiles, split, groups)](
         x, w, s, out, part, locks, M, N, K, N // groups, p["k_per_split"], x.stride(0), formats.FP8_TOKEN_SCALE_FLOOR,
-        BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], BLOCK_K=p["BLOCK_K"], AMAX_K=min(1024, triton.next_power_of_2(K)),
+        BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], BLOCK_K=p["BLOCK_K"], AMAX_K=min(8192, triton.next_power_of_2(K)),
         SPLIT_K=split, THREADS=32 * p["num_warps"], INTERPRET=interpreting(), num_warps=p["num_warps"],
         num_stages=p["num_stages"])
     return out
