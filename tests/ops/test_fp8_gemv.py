@@ -60,6 +60,7 @@ def test_kernel_builds_for_sm90_without_spills(N, K, split):
            **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "AMAX_K", "SPLIT_K", "THREADS", "INTERPRET")}}
     consts = {k: p[k] for k in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "SPLIT_K")} | {
         "AMAX_K": 8192, "THREADS": 32 * p["num_warps"], "INTERPRET": False}
+    fv._bind()
     got = sm90_build(fv._fp8_gemv_kernel, sig, consts, p["num_warps"], p["num_stages"],
                      divisible_by_16=("N", "K", "NG", "k_per_split", "stride_xm"))
     print(f"fp8_gemv N={N} K={K} {p}: {got}")

@@ -204,15 +204,17 @@ def fp8_rows_gemm_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, 
     return _grouped_product(x, wd, groups)
 
 
-def _check_rows(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int) -> None:
+def _check_rows(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int,
+                op: str = "fp8_rows_gemm") -> None:
+    """The shapes of a GEMM on the row-scaled E4M3 weights (``op`` names it in the error)."""
     if x.dim() != 2 or w8.dim() != 2 or groups < 1 or x.shape[1] != groups * w8.shape[1]:
-        raise ValueError(f"fp8_rows_gemm: x [M, {groups} x K] and w8 [N, K] expected, got {tuple(x.shape)} and "
+        raise ValueError(f"{op}: x [M, {groups} x K] and w8 [N, K] expected, got {tuple(x.shape)} and "
                          f"{tuple(w8.shape)}")
     N = w8.shape[0]
     if N % groups:
-        raise ValueError(f"fp8_rows_gemm: N={N} rows do not split into {groups} groups")
+        raise ValueError(f"{op}: N={N} rows do not split into {groups} groups")
     if w_scale.numel() != N:
-        raise ValueError(f"fp8_rows_gemm: w_scale must hold one scale per weight row ({N}), got {tuple(w_scale.shape)}")
+        raise ValueError(f"{op}: w_scale must hold one scale per weight row ({N}), got {tuple(w_scale.shape)}")
 
 
 @triton.jit

@@ -22,10 +22,12 @@ Why an op: a batch-1 decode step spends ~2.2 ms in 208 CUTLASS FP8 GEMMs (~2.4 T
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_dsv41 import formats
-from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops import define_op, fp8_gemm
 from vllm_dsv41.ops._triton import HAS_TRITON, interpreting, sm_count, tl, triton
 
 MAX_M = 16
@@ -33,15 +35,8 @@ MAX_M = 16
 
 
 def _check(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int) -> tuple[int, int, int]:
-    if x.dim() != 2 or w8.dim() != 2 or groups < 1 or x.shape[1] != groups * w8.shape[1]:
-        raise ValueError(f"fp8_gemv: x [M, {groups} x K] and w8 [N, K] expected, got {tuple(x.shape)} and "
-                         f"{tuple(w8.shape)}")
-    N, K = w8.shape
-    if N % groups:
-        raise ValueError(f"fp8_gemv: N={N} rows do not split into {groups} groups")
-    if w_scale.numel() != N:
-        raise ValueError(f"fp8_gemv: w_scale must hold one scale per weight row ({N}), got {tuple(w_scale.shape)}")
-    return x.shape[0], N, K
+    fp8_gemm._check_rows(x, w8, w_scale, groups, "fp8_gemv")
+    return x.shape[0], *w8.shape
 
 
 def fp8_gemv_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
@@ -63,17 +58,6 @@ def _fence(x):
     """A gpu-scope acquire-release fence in every thread that holds an element of ``x`` (returns x)."""
     return tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
                                      is_pure=False, pack=1)
-
-
-@triton.jit
-def _e4m3_rne_f32(v):
-    """fp32 values within +-448 rounded to E4M3 (nearest, ties to even), as fp32, by adding and subtracting 1.5 x
-    2^(step exponent + 23).  For the interpreter, whose fp32 -> fp8 cast drops the carry of a mantissa that rounds up
-    into the next binade (126.07 -> 64)."""
-    e = ((v.to(tl.int32, bitcast=True) >> 23) & 255) - 127
-    step = tl.maximum(e, -6) - 3                   # the spacing of E4M3 values around v (subnormals: 2^-9)
-    c = (((step + 23 + 127) << 23) | (1 << 22)).to(tl.float32, bitcast=True)
-    return (v + c) - c
 
 
 @triton.jit
@@ -104,7 +88,7 @@ def _fp8_gemv_kernel(
         xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + ka[None, :], mask=m_ok[:, None] & (ka < K)[None, :],
                      other=0.0)
         amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
-    xs = tl.maximum(amax / 448.0, floor)           # formats.quant_fp8_tokens' scale
+    xs = _fp8_token_scale(amax, floor)             # formats.quant_fp8_tokens' scale
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -116,7 +100,8 @@ def _fp8_gemv_kernel(
         # a code may differ by one E4M3 step from the reference where x / scale lies that close to a rounding boundary
         xq = xt.to(tl.float32) / xs[None, :]
         if INTERPRET:  # the interpreter: no FP8 dot; the same E4M3 values as fp32 products (exact)
-            xq = _e4m3_rne_f32(xq)
+            # rounded bit by bit: the interpreter's fp8 cast drops the carry into the next binade (126.07 -> 64)
+            xq = _e4m3_to_f32(_e4m3_byte(xq), False)
             acc = tl.dot(_e4m3_to_f32(w.to(tl.int32), False), xq, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xq.to(tl.float8e4nv, fp_downcast_rounding="rtne"), acc)
@@ -145,6 +130,16 @@ def _fp8_gemv_kernel(
 
 if HAS_TRITON:  # the E4M3 decoder of sparse_attn (interpreter only)
     from vllm_dsv41.ops.sparse_attn import _e4m3_to_f32
+
+
+@functools.lru_cache(maxsize=None)
+def _bind() -> None:
+    """The kernel's helpers shared with the other quantising kernels: compressor's per-token scale rule and E4M3
+    rounding, JIT functions once compressor's kernels are built."""
+    from vllm_dsv41.ops import compressor
+
+    compressor._kernels()
+    globals().update(_e4m3_byte=compressor._e4m3_byte, _fp8_token_scale=compressor._fp8_token_scale)
 
 
 def plan(M: int, N: int, K: int, sms: int, groups: int = 1) -> dict:
@@ -191,6 +186,7 @@ def _fp8_gemv_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, g
     if not interpreting():
         w = w.view(torch.float8_e4m3fn)
     s = w_scale.float().reshape(N).contiguous()
+    _bind()
     p = {**plan(M, N, K, sm_count(x.device), groups), **(config or {})}
     split = p["SPLIT_K"]
     tiles = -(-(N // groups) // p["BLOCK_N"])
