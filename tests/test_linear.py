@@ -436,6 +436,56 @@ def test_w8a8_dense_gemm_backend(monkeypatch):
     assert grouped.w8 is None and torch.equal(grouped.w16, gref.to(torch.bfloat16))
 
 
+def test_gemv_small_gemm_route(monkeypatch):
+    """``VLLM_DSV41_SMALL_GEMM=gemv``: passes of 1 .. ``VLLM_DSV41_GEMV_ROWS`` rows go through ``dsv41::fp8_gemv`` (bf16
+    rows) or ``dsv41::fp8_gemv_q`` (QuantRows) and give bitwise what the CUTLASS route's reference gives; longer passes
+    keep that route; the grouped layer keeps both its FP8 rows (short passes, each (token, group) slice under its own
+    scale) and the bf16 weight (longer passes: the batched GEMM); a bad row count names the variable."""
+    from vllm_dsv41.ops import fp8_gemv
+
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setenv(linear.SMALL_GEMM_ENV, "gemv")
+    monkeypatch.setenv(linear.GEMV_ROWS_ENV, "4")
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    calls = []
+    for name in ("fp8_gemv", "fp8_gemv_q"):
+        op = getattr(fp8_gemv, name)
+        monkeypatch.setattr(fp8_gemv, name, lambda *a, _op=op, _n=name: calls.append(_n) or _op(*a))
+    g = torch.Generator().manual_seed(15)
+    lin, _ = _fp8_layer(1, g)
+    lin.finalize()
+    assert lin.gemv_rows == 4 and lin.w16 is None
+    x = torch.randn(6, K_IN, generator=g).to(torch.bfloat16)
+    for T, route in ((1, ["fp8_gemv"]), (4, ["fp8_gemv"]), (5, []), (6, [])):
+        calls.clear()
+        got = lin(x[:T])
+        assert calls == route and torch.equal(got, linear.w8a8_ref(x[:T], lin.w8, lin.w8_scale).bfloat16()), T
+    rows, _ = _prequantised(3, g)
+    calls.clear()
+    assert torch.equal(lin(rows), linear.w8a8_gemm_rows(rows, lin.w8, lin.w8_scale)) and calls == ["fp8_gemv_q"]
+    assert linear.reads_quantised_rows([lin], torch.bfloat16)
+
+    grouped, gref = _fp8_layer(4, g)
+    grouped.finalize()
+    assert grouped.w8 is not None and torch.equal(grouped.w16, gref.to(torch.bfloat16))
+    xg = torch.randn(5, 4, K_IN, generator=g).to(torch.bfloat16)
+    calls.clear()
+    got = grouped(xg[:2])
+    n = N_OUT // 4
+    want = torch.stack([linear.w8a8_ref(xg[:2, j], grouped.w8[j * n:(j + 1) * n], grouped.w8_scale[j * n:(j + 1) * n])
+                        for j in range(4)], 1).bfloat16()
+    assert calls == ["fp8_gemv"] and got.shape == (2, 4, n) and torch.equal(got, want)
+    calls.clear()
+    assert torch.equal(grouped(xg), torch.einsum("tgk,gok->tgo", xg, grouped.w16.view(4, n, K_IN)))
+    assert calls == []
+    monkeypatch.setenv(linear.GEMV_ROWS_ENV, "17")
+    with pytest.raises(ValueError, match="VLLM_DSV41_GEMV_ROWS=17: fp8_gemv serves at most 16 rows"):
+        linear.gemv_rows()
+    monkeypatch.setenv(linear.SMALL_GEMM_ENV, "gemm")
+    with pytest.raises(ValueError, match="VLLM_DSV41_SMALL_GEMM='gemm': expected cutlass, gemv or triton"):
+        linear.small_gemm_backend()
+
+
 def test_grouped_w8a8_through_fused_moe_switch(monkeypatch):
     """``VLLM_DSV41_GROUPED_GEMM=fused_moe``: a grouped layer under ``w8a8`` keeps E4M3 rows too, and each (token,
     group) slice goes through its group's rows under its own per-slice FP8 quantisation (the CPU arithmetic of the

@@ -21,6 +21,9 @@
 #   scripts/gpu/session.sh async           # async scheduling on the tiny (Engram) checkpoint against the synchronous run
 #   scripts/gpu/session.sh quant [fast]    # the fused activation quantisations: CUDA tests, kernel times (fast path)
 #   scripts/gpu/session.sh compress        # compress_insert's small-row route, StaticStep.load: CUDA tests, kernel times
+#   scripts/gpu/session.sh gemv            # dsv41::fp8_gemv / fp8_gemv_q: CUDA tests, graph-replayed times at 1, 4, 16 rows
+#                                          # against vLLM's quantisation + CUTLASS and bf16 cuBLAS
+#   scripts/gpu/session.sh gemv_e2e        # the fast path end to end with VLLM_DSV41_SMALL_GEMM=gemv (small checkpoint)
 #   scripts/gpu/session.sh quick           # tiny checkpoint vs CPU reference (ops path), the fast path end to end, cutlass_moe
 #   scripts/gpu/session.sh cutlass_moe     # the prefill experts' FP8 GEMMs on CUTLASS: CUDA tests, kernel times
 #   VARIANTS="a: b:ENV=1" scripts/gpu/session.sh variants [ARGS]   # a workload's timeline under each setting
@@ -201,6 +204,15 @@ case "${1:-}" in
     (cd benchmarks/ops && timeout 150 python3 kernel_times.py --only compressor --tokens 1 16 64 256 4096) \
       > "$OUT/compress-times.log" 2>&1
     grep -E "^(compress_insert|topk_select)" "$OUT/compress-times.log" | cut -c1-170 ;;
+  gemv)
+    timeout 240 python3 -m pytest -q -n 4 -p no:cacheprovider tests/ops/test_fp8_gemv.py > "$OUT/gemv-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/gemv-tests.log" | tail -12
+    timeout 200 python3 benchmarks/ops/bench_fp8_gemv.py --rows 1 4 16 > "$OUT/bench-gemv.log" 2>&1
+    cut -c1-200 "$OUT/bench-gemv.log" | tail -60 ;;
+  gemv_e2e)
+    VLLM_DSV41_SMALL_GEMM=gemv timeout 400 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
+      tests/gpu/test_fast_path_cuda.py > "$OUT/gemv-e2e.log" 2>&1
+    grep -E "passed|failed|error|equal|divergence|rel err|median|prompt" "$OUT/gemv-e2e.log" | cut -c1-200 | tail -24 ;;
   quick)
     # a short device window's acceptance check: the tiny checkpoint on the ops path against the CPU reference, the fast
     # path end to end (small checkpoint) on the current defaults, then `cutlass_moe`'s CUDA tests and kernel times

@@ -174,7 +174,7 @@ def fast_layout(gemm: str, moe: str = "marlin", streams: str = "float32") -> dic
 
 
 @pytest.mark.parametrize("gemm,streams", [("bf16", "fp32"), ("fp8", "fp32"), ("w8a8", "fp32"), ("w8a8", "auto"),
-                                          ("w8a8-triton", "fp32")])
+                                          ("w8a8-triton", "fp32"), ("w8a8-gemv", "fp32")])
 def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams):
     """bf16: the tiny model through the fast path's code, eager and as padded static decode steps: the
     layout is the fast one, every logit is finite, no op inside a static step reads a device value on the
@@ -187,8 +187,9 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams)
     kept their tokens when tried).  The default (``auto``: bf16 on the fast path) is run too, for its layout, finite
     logits, no host reads and an equal (eager) prefill step.  ``w8a8-triton``: ``VLLM_DSV41_SMALL_GEMM=triton``, the
     passes of at most 64 rows through ``dsv41::fp8_rows_gemm`` (the grouped ``wo_a`` too, on its FP8 rows), longer
-    ones through the W8A8 path."""
-    from vllm_dsv41.ops import fp8_gemm
+    ones through the W8A8 path; ``w8a8-gemv``: ``VLLM_DSV41_SMALL_GEMM=gemv``, the passes of at most 16 rows (decode)
+    through ``dsv41::fp8_gemv`` (the grouped ``wo_a`` on the FP8 copy it keeps beside the bf16 one)."""
+    from vllm_dsv41.ops import fp8_gemm, fp8_gemv
 
     dense, _, small = gemm.partition("-")
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, dense)
@@ -196,13 +197,14 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams)
     monkeypatch.setenv("VLLM_DSV41_STREAMS", streams)
     _emulate_fast_path(monkeypatch, torch.bfloat16)
     rows_calls = {"ungrouped": 0, "grouped": 0}
-    rows_gemm = fp8_gemm.fp8_rows_gemm
+    small_op = (fp8_gemv, "fp8_gemv") if small == "gemv" else (fp8_gemm, "fp8_rows_gemm")
+    rows_gemm = getattr(*small_op)
 
     def counted(x, w8, w_scale, groups=1):
         rows_calls["grouped" if groups > 1 else "ungrouped"] += 1
         return rows_gemm(x, w8, w_scale, groups)
 
-    monkeypatch.setattr(fp8_gemm, "fp8_rows_gemm", counted)
+    monkeypatch.setattr(*small_op, counted)
     probe = probe_static_steps(monkeypatch)
     kw = dict(logprobs_mode="raw_logits", max_logprobs=-1, max_num_seqs=6, dtype="bfloat16")
     runs = {}
@@ -212,7 +214,7 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams)
             layout = llm.apply_model(lambda m: _layout(m, torch.bfloat16))[0]
             outs = _generate(llm, prompts, logits=True)
             runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
-    assert layout == fast_layout(["bf16", "w8a8"] if gemm == "w8a8" else dense,
+    assert layout == fast_layout(["bf16", "w8a8"] if gemm in ("w8a8", "w8a8-gemv") else dense,
                                  streams="bfloat16" if streams == "auto" else "float32"), layout
     assert all(rows_calls.values()) if small else not any(rows_calls.values()), rows_calls
     for tokens, logits in runs.values():

@@ -5,7 +5,8 @@ import torch
 
 from tests.ops.conftest import requires_cuda, run_under_interpreter
 from tests.ops.test_fp8_gemm import make_rows
-from vllm_dsv41.model_executor.linear import w8a8_ref
+from vllm_dsv41 import formats
+from vllm_dsv41.model_executor.linear import w8a8_quantised_ref, w8a8_ref
 from vllm_dsv41.ops import fp8_gemv as fv
 
 
@@ -25,6 +26,21 @@ def test_ref_groups_quantise_their_own_slice():
     got = fv.fp8_gemv_ref(x2, w8, ws, 2)
     assert torch.equal(got[:, :32], w8a8_ref(x, w8[:32], ws[:32]).bfloat16())
     assert torch.equal(got[:, 32:], w8a8_ref(100 * x.roll(1, 1), w8[32:], ws[32:]).bfloat16())
+
+
+def test_q_ref_is_w8a8_on_quantised_rows():
+    """The pre-quantised variant: the codes and scales of ``formats.quant_fp8_tokens`` give the bf16-input op's
+    result, which is ``w8a8_quantised_ref`` on them."""
+    x, w8, ws = make_rows(4, 96, 256, 3)
+    q, s = formats.quant_fp8_tokens(x)
+    want = w8a8_quantised_ref(q, s, w8, ws).bfloat16()
+    assert torch.equal(fv.fp8_gemv_q_ref(q, s, w8, ws), want)
+    assert torch.equal(torch.ops.dsv41.fp8_gemv_q(q, s, w8, ws), want)
+    assert torch.equal(want, fv.fp8_gemv_ref(x, w8, ws))
+    with pytest.raises(ValueError, match="fp8_gemv_q: scale must hold one scale per row of q \\(4\\)"):
+        fv.fp8_gemv_q_ref(q, s[:3], w8, ws)
+    with pytest.raises(ValueError, match="fp8_gemv_q: x \\[M, 1 x K\\]"):
+        fv.fp8_gemv_q_ref(q[:, :128], s, w8, ws)
 
 
 def test_bad_shapes_name_the_problem():
@@ -47,23 +63,25 @@ def test_plan_covers_the_gpu_and_whole_k_steps(N, K, G):
     assert tiles * p["SPLIT_K"] >= 132 or p["SPLIT_K"] == 16 or p["k_per_split"] < 1024
 
 
+@pytest.mark.parametrize("prequant", [False, True])
 @pytest.mark.parametrize("N,K,split", [(1792, 5120, 8), (32768, 1280, 1), (5120, 8192, 4)])
-def test_kernel_builds_for_sm90_without_spills(N, K, split):
+def test_kernel_builds_for_sm90_without_spills(N, K, split, prequant):
     """The plan compiles for Hopper (Triton's own ptxas, no GPU) with the FP8 tensor-core MMA, everything in
     registers and the weight stream pipelined through shared memory."""
     from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
 
     p = {**fv.plan(1, N, K, 132), "SPLIT_K": split, "k_per_split": K // split}
-    sig = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
+    sig = {"x_ptr": "*fp8e4nv" if prequant else "*bf16", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32",
            "lock_ptr": "*i32", **{n: "i32" for n in ("M", "N", "K", "NG", "k_per_split", "stride_xm")},
            "floor": "fp32",
-           **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "AMAX_K", "SPLIT_K", "THREADS", "INTERPRET")}}
+           **{n: "constexpr" for n in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "AMAX_K", "SPLIT_K", "THREADS", "INTERPRET",
+                                         "PREQUANT")}}
     consts = {k: p[k] for k in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "SPLIT_K")} | {
-        "AMAX_K": 8192, "THREADS": 32 * p["num_warps"], "INTERPRET": False}
+        "AMAX_K": 8192, "THREADS": 32 * p["num_warps"], "INTERPRET": False, "PREQUANT": prequant}
     fv._bind()
     got = sm90_build(fv._fp8_gemv_kernel, sig, consts, p["num_warps"], p["num_stages"],
                      divisible_by_16=("N", "K", "NG", "k_per_split", "stride_xm"))
-    print(f"fp8_gemv N={N} K={K} {p}: {got}")
+    print(f"fp8_gemv N={N} K={K} prequant={prequant} {p}: {got}")
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
     assert got["shared"] >= (p["num_stages"] - 1) * p["BLOCK_N"] * p["BLOCK_K"], "the weight loads are not pipelined"
 
@@ -82,6 +100,7 @@ _RUNNER = """
 import sys, torch
 from tests.ops import test_fp8_gemv as t
 from tests.ops.test_fp8_gemm import make_rows
+from vllm_dsv41 import formats
 from vllm_dsv41.ops import fp8_gemv as fv
 bad = []
 for i, (M, N, K, G, cfg) in enumerate(t.INTERPRET_CASES):
@@ -93,6 +112,14 @@ for i, (M, N, K, G, cfg) in enumerate(t.INTERPRET_CASES):
         err = ((got.float() - want).abs() / (want.abs() + 1e-3 * want.abs().max())).max().item()
         ok = got.dtype == torch.bfloat16 and got.shape == want.shape and err <= 1.01 * 2 ** -7
         print(f"{'ok' if ok else 'FAIL'} M={M} N={N} K={K} groups={G} cfg={cfg} launch {rep}: max rel err {err:.2e}")
+        bad += [] if ok else [i]
+    if G == 1:  # the pre-quantised variant on the reference's own codes: the same products, exactly
+        q, s = formats.quant_fp8_tokens(x.float())
+        want_q = fv.fp8_gemv_q_ref(q, s, w8, ws).float()
+        got = fv._fp8_gemv_q_triton(q, s, w8, ws, config=cfg)
+        err = ((got.float() - want_q).abs() / (want_q.abs() + 1e-3 * want_q.abs().max())).max().item()
+        ok = got.dtype == torch.bfloat16 and err <= 1.01 * 2 ** -7
+        print(f"{'ok' if ok else 'FAIL'} prequant M={M} N={N} K={K} cfg={cfg}: max rel err {err:.2e}")
         bad += [] if ok else [i]
     if fv._LOCKS and any(int(b.abs().sum()) for b in fv._LOCKS.values()):
         print("FAIL: arrival counters not reset"); bad.append(i)
@@ -120,3 +147,19 @@ def test_cuda_bench_shapes(M, N, K, G):
         got = torch.ops.dsv41.fp8_gemv(x, w8, ws, G).float()
         err = ((got - want).norm() / want.norm()).item()
         assert err < 6e-3, f"M={M} N={N} K={K} G={G}: rel err {err:.2e}"
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("N,K", [(1792, 5120), (32768, 1280), (5120, 8192)])
+def test_cuda_prequantised(M, N, K):
+    """The pre-quantised variant on the GPU: the codes are given, so only the fp32 sums' order and the bf16 output
+    rounding separate it from the reference."""
+    x, w8, ws = make_rows(M, N, K, seed=M * N, device="cuda")
+    q, s = formats.quant_fp8_tokens(x)
+    want = fv.fp8_gemv_q_ref(q.cpu(), s.cpu(), w8.cpu(), ws.cpu()).float().cuda()
+    for _ in range(3):
+        got = torch.ops.dsv41.fp8_gemv_q(q, s, w8, ws).float()
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 3e-3, f"M={M} N={N} K={K}: rel err {err:.2e}"

@@ -103,15 +103,31 @@ def grouped_gemm_backend() -> str:
 
 
 def small_gemm_backend() -> str:
-    """``VLLM_DSV41_SMALL_GEMM``: the FP8 dense GEMMs of passes of at most ``fp8_gemm.MAX_M`` rows under ``w8a8`` -
-    ``cutlass`` (default: :func:`w8a8_gemm`, the activations quantised per token) or ``triton``
+    """``VLLM_DSV41_SMALL_GEMM``: the FP8 dense GEMMs of few-row passes under ``w8a8`` - ``cutlass`` (default:
+    :func:`w8a8_gemm`, the activations quantised per token), ``gemv`` (``dsv41::fp8_gemv``: the W8A8 GEMM in one launch,
+    x quantised per token inside it, for passes of at most :func:`gemv_rows` rows; pre-quantised rows through
+    ``dsv41::fp8_gemv_q``; the grouped ``wo_a`` keeps an FP8 copy beside its bf16 one for these passes) or ``triton``
     (``dsv41::fp8_rows_gemm``: bf16 activations against the same row-scaled E4M3 weight, split K, no quantisation
-    launch; with it the grouped ``wo_a`` keeps its FP8 rows too and takes the same kernel up to that many rows,
-    :func:`grouped_w8a8` above).  Session 18, not yet timed on a GPU."""
+    launch, up to ``fp8_gemm.MAX_M`` rows; with it the grouped ``wo_a`` keeps its FP8 rows only and takes the same
+    kernel up to that many rows, :func:`grouped_w8a8` above; session 19: slower than CUTLASS at every shape)."""
     v = os.environ.get(SMALL_GEMM_ENV, "cutlass").strip().lower() or "cutlass"
-    if v not in ("cutlass", "triton"):
-        raise ValueError(f"{SMALL_GEMM_ENV}={v!r}: expected cutlass or triton")
+    if v not in ("cutlass", "gemv", "triton"):
+        raise ValueError(f"{SMALL_GEMM_ENV}={v!r}: expected cutlass, gemv or triton")
     return v
+
+
+GEMV_ROWS_ENV = "VLLM_DSV41_GEMV_ROWS"
+
+
+def gemv_rows() -> int:
+    """``VLLM_DSV41_GEMV_ROWS``: under ``VLLM_DSV41_SMALL_GEMM=gemv``, passes of at most this many rows take
+    ``dsv41::fp8_gemv`` (default and at most ``fp8_gemv.MAX_M``, 16; 0: none)."""
+    from vllm_dsv41.ops import env_rows, fp8_gemv
+
+    n = env_rows(GEMV_ROWS_ENV, fp8_gemv.MAX_M)
+    if n > fp8_gemv.MAX_M:
+        raise ValueError(f"{GEMV_ROWS_ENV}={n}: fp8_gemv serves at most {fp8_gemv.MAX_M} rows")
+    return n
 
 
 def fused_quant() -> bool:
@@ -388,9 +404,9 @@ def reads_quantised_rows(layers: Iterable["QuantLinear"], dtype: torch.dtype, ac
     (:func:`fused_quant`; for ``activation`` quantisations, those of the ops that make a GEMM's input, also
     :func:`fused_act_quant`), the activations in the fast GEMMs' dtype (what ``w8a8_gemm`` would quantise), and each
     layer an ungrouped ``w8a8`` weight that would quantise them per token itself (not ``VLLM_DSV41_SMALL_GEMM=triton``,
-    which reads bf16)."""
+    which reads bf16; ``gemv`` reads them through ``dsv41::fp8_gemv_q``)."""
     return ((fused_act_quant() if activation else fused_quant()) and dtype == FAST_GEMM_DTYPE
-            and small_gemm_backend() == "cutlass"
+            and small_gemm_backend() in ("cutlass", "gemv")
             and all(lin.w8 is not None and lin.groups == 1 for lin in layers))
 
 
@@ -526,6 +542,7 @@ class QuantLinear(nn.Module):
         self.fp8_kept = False  # ``fp8`` backend: weight and scale stay as loaded, dsv41::fp8_gemm reads them
         self.w8: torch.Tensor | None = None  # ``w8a8``: the weight in E4M3 [N, K] under one scale per row ...
         self.w8_scale: torch.Tensor | None = None  # ... fp32 [N, 1] (formats.fp8_block_to_rows)
+        self.gemv_rows = 0  # ``VLLM_DSV41_SMALL_GEMM=gemv``: passes of 1 .. this many rows take dsv41::fp8_gemv on w8
         if not quant:
             self.weight = _frozen(torch.zeros(out_features, in_features, dtype=torch.float32))
             return
@@ -543,12 +560,19 @@ class QuantLinear(nn.Module):
         FP8 bytes for ``dsv41::fp8_gemm`` (:func:`dense_gemm_backend`)."""
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
-        backend = dense_gemm_backend()
-        grouped_fp8 = self.groups == 1 or grouped_gemm_backend() == "fused_moe" or small_gemm_backend() == "triton"
+        backend, small = dense_gemm_backend(), small_gemm_backend()
+        grouped_fp8 = self.groups == 1 or grouped_gemm_backend() == "fused_moe" or small in ("triton", "gemv")
         if backend == "w8a8" and not (grouped_fp8 and w8a8_supported(self.weight.device)):
             backend = "bf16"  # grouped layers stay on bf16 by default (one batched GEMM), as do pre-FP8 GPUs
         if backend == "w8a8":
             self.w8, self.w8_scale = formats.fp8_block_to_rows(self.weight.data, self.scale.data.view(E8M0))
+            if small == "gemv":
+                from vllm_dsv41.ops import fp8_gemv
+
+                self.gemv_rows = gemv_rows()
+                if self.groups > 1 and grouped_gemm_backend() == "bf16":  # longer passes: the batched bf16 GEMM
+                    self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
+                fp8_gemv.reserve(self.w8.device)  # the split-K counters exist before any graph is captured
             del self.weight, self.scale
             return
         if backend == "bf16":
@@ -608,8 +632,20 @@ class QuantLinear(nn.Module):
         if isinstance(x, QuantRows):
             if self.w8 is None or self.groups != 1:
                 raise TypeError("QuantLinear: pre-quantised rows need an ungrouped w8a8 weight")
+            if 0 < x.q.shape[0] <= self.gemv_rows:
+                from vllm_dsv41.ops import fp8_gemv
+
+                return fp8_gemv.fp8_gemv_q(x.q, x.scale, self.w8, self.w8_scale).to(x.dtype)
             return w8a8_gemm_rows(x, self.w8, self.w8_scale)
         G = self.groups
+        if self.w8 is not None and 0 < x.shape[0] <= self.gemv_rows:
+            from vllm_dsv41.ops import fp8_gemv
+
+            T = x.shape[0]
+            out = fp8_gemv.fp8_gemv(x.reshape(T, -1).to(FAST_GEMM_DTYPE), self.w8, self.w8_scale, G)
+            return (out if G == 1 else out.view(T, G, -1)).to(x.dtype)
+        if self.w16 is not None:  # before w8: a grouped layer under ``gemv`` keeps both, bf16 for longer passes
+            return self._through(x.to(self.w16.dtype), self.w16).to(x.dtype)
         if self.w8 is not None:
             from vllm_dsv41.ops import fp8_gemm
 
@@ -622,8 +658,6 @@ class QuantLinear(nn.Module):
             return w8a8_gemm(x.to(FAST_GEMM_DTYPE), self.w8, self.w8_scale).to(x.dtype)
         if self.fp8_kept:
             return self._fp8_forward(x)
-        if self.w16 is not None:
-            return self._through(x.to(self.w16.dtype), self.w16).to(x.dtype)
         if self.marlin is not None:
             xb = x.to(FAST_GEMM_DTYPE)
             if G == 1:

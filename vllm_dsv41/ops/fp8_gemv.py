@@ -9,6 +9,10 @@ quantisation of the activations inside the GEMM, the split-K partials summed by 
 For one group this is exactly :func:`linear.w8a8_ref` (vLLM's per-token quantisation and CUTLASS's FP8 GEMM, the
 ``w8a8`` default); for G > 1 each (token, group) slice has its own scale, as :func:`linear.grouped_w8a8`.
 
+``fp8_gemv_q(q [M, K] E4M3, scale [M, 1] fp32, w8, w_scale) -> [M, N] bf16``: the same GEMM on activations already
+quantised (``linear.QuantRows``, from a norm that quantised its rows in its own launch), one group:
+``out[m, j] = scale[m] * w_scale[j] * sum_k q[m, k] * w8[j, k]`` (:func:`linear.w8a8_quantised_ref`).
+
 Why an op: a batch-1 decode step spends ~2.2 ms in 208 CUTLASS FP8 GEMMs (~2.4 TB/s on ~5.1 GB of weights) plus
 0.6 ms in the 160 quantisation launches before them (docs/benchmarks.md, session 21).  Here:
 
@@ -62,7 +66,8 @@ def _fence(x):
 
 @triton.jit
 def _fp8_gemv_kernel(
-    x_ptr,        # [M, G*K] bf16
+    x_ptr,        # [M, G*K] bf16, or (PREQUANT) [M, K] E4M3 codes (float8e4nv; uint8 in the interpreter)
+    xs_ptr,       # (PREQUANT) [M] fp32 per-token scales of those codes
     w_ptr,        # [N, K] E4M3 (float8e4nv on the GPU, its uint8 bytes in the interpreter)
     ws_ptr,       # [N] fp32 row scales
     out_ptr,      # [M, N] bf16
@@ -70,7 +75,7 @@ def _fp8_gemv_kernel(
     lock_ptr,     # [G * n_tiles] int32 arrival counters, zero between launches (SPLIT_K > 1)
     M, N, K, NG, k_per_split, stride_xm, floor,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr,
+    SPLIT_K: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr, PREQUANT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -81,14 +86,17 @@ def _fp8_gemv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     x_ptr += pid_g * K                             # the group's input slice
-    # each token's amax over its whole slice (K <= a few thousand bf16: read from L2 by every program)
-    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, AMAX_K):
-        ka = k0 + tl.arange(0, AMAX_K)
-        xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + ka[None, :], mask=m_ok[:, None] & (ka < K)[None, :],
-                     other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
-    xs = _fp8_token_scale(amax, floor)             # formats.quant_fp8_tokens' scale
+    if PREQUANT:
+        xs = tl.load(xs_ptr + offs_m, mask=m_ok, other=1.0)
+    else:
+        # each token's amax over its whole slice (K <= a few thousand bf16: read from L2 by every program)
+        amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, AMAX_K):
+            ka = k0 + tl.arange(0, AMAX_K)
+            xa = tl.load(x_ptr + offs_m[:, None] * stride_xm + ka[None, :], mask=m_ok[:, None] & (ka < K)[None, :],
+                         other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(xa.to(tl.float32)), axis=1))
+        xs = _fp8_token_scale(amax, floor)         # formats.quant_fp8_tokens' scale
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -96,14 +104,21 @@ def _fp8_gemv_kernel(
     for k0 in range(k_begin, k_begin + k_per_split, BLOCK_K):
         w = tl.load(w_rows + (k0 + offs_k)[None, :], mask=n_ok[:, None])
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=m_ok[None, :], other=0.0)
-        # fp32 division as Triton lowers it (approximate, ~2 ulp; IEEE div_rn measured 2.4x slower a layer on the H200):
-        # a code may differ by one E4M3 step from the reference where x / scale lies that close to a rounding boundary
-        xq = xt.to(tl.float32) / xs[None, :]
         if INTERPRET:  # the interpreter: no FP8 dot; the same E4M3 values as fp32 products (exact)
-            # rounded bit by bit: the interpreter's fp8 cast drops the carry into the next binade (126.07 -> 64)
-            xq = _e4m3_to_f32(_e4m3_byte(xq), False)
-            acc = tl.dot(_e4m3_to_f32(w.to(tl.int32), False), xq, acc, input_precision="ieee")
+            wf = _e4m3_to_f32(w.to(tl.int32), False)
+            if PREQUANT:  # the codes as they are
+                acc = tl.dot(wf, _e4m3_to_f32(xt.to(tl.int32), False), acc, input_precision="ieee")
+            else:
+                # rounded bit by bit: the interpreter's fp8 cast drops the carry into the next binade (126.07 -> 64)
+                xq = _e4m3_to_f32(_e4m3_byte(xt.to(tl.float32) / xs[None, :]), False)
+                acc = tl.dot(wf, xq, acc, input_precision="ieee")
+        elif PREQUANT:
+            acc = tl.dot(w, xt, acc)
         else:
+            # fp32 division as Triton lowers it (approximate, ~2 ulp; IEEE div_rn measured 2.4x slower a layer on the
+            # H200): a code may differ by one E4M3 step from the reference where x / scale lies that close to a
+            # rounding boundary
+            xq = xt.to(tl.float32) / xs[None, :]
             acc = tl.dot(w, xq.to(tl.float8e4nv, fp_downcast_rounding="rtne"), acc)
     scale = tl.load(ws_ptr + rows, mask=n_ok, other=0.0)[:, None] * xs[None, :]
     out_ptrs = out_ptr + offs_m[None, :] * N + rows[:, None]
@@ -171,20 +186,21 @@ def _locks(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _fp8_gemv_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int = 1,
-                     config: dict | None = None) -> torch.Tensor:
-    """Launch the kernel (``config`` overrides :func:`plan`, for sweeps); more than ``MAX_M`` rows, a non-bf16 x or K
-    not a multiple of 32 go through the reference arithmetic."""
-    M, N, K = _check(x, w8, w_scale, groups)
-    if M > MAX_M or x.dtype != torch.bfloat16 or K % 32:
-        return fp8_gemv_ref(x, w8, w_scale, groups)
+def _launch(x: torch.Tensor, xs: torch.Tensor | None, w8: torch.Tensor, w_scale: torch.Tensor, groups: int,
+            config: dict | None) -> torch.Tensor:
+    """One launch on bf16 rows x (``xs`` None) or on E4M3 codes x under per-token scales ``xs``; [M, N] bf16."""
+    M, K = x.shape[0], x.shape[1] // groups
+    N = w8.shape[0]
     out = torch.empty(M, N, dtype=torch.bfloat16, device=x.device)
     if M == 0:
         return out
     x = x.contiguous()
     w = formats.as_uint8(w8).contiguous()
+    if xs is not None:
+        x = formats.as_uint8(x)
     if not interpreting():
         w = w.view(torch.float8_e4m3fn)
+        x = x.view(torch.float8_e4m3fn) if xs is not None else x
     s = w_scale.float().reshape(N).contiguous()
     _bind()
     p = {**plan(M, N, K, sm_count(x.device), groups), **(config or {})}
@@ -193,11 +209,28 @@ def _fp8_gemv_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, g
     part = torch.empty(split, p["BLOCK_M"], N, dtype=torch.float32, device=x.device) if split > 1 else out
     locks = _locks(x.device, groups * tiles) if split > 1 else out
     _fp8_gemv_kernel[(tiles, split, groups)](
-        x, w, s, out, part, locks, M, N, K, N // groups, p["k_per_split"], x.stride(0), formats.FP8_TOKEN_SCALE_FLOOR,
+        x, s if xs is None else xs.float().reshape(M).contiguous(), w, s, out, part, locks, M, N, K, N // groups,
+        p["k_per_split"], x.stride(0), formats.FP8_TOKEN_SCALE_FLOOR,
         BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], BLOCK_K=p["BLOCK_K"], AMAX_K=min(8192, triton.next_power_of_2(K)),
-        SPLIT_K=split, THREADS=32 * p["num_warps"], INTERPRET=interpreting(), num_warps=p["num_warps"],
-        num_stages=p["num_stages"])
+        SPLIT_K=split, THREADS=32 * p["num_warps"], INTERPRET=interpreting(), PREQUANT=xs is not None,
+        num_warps=p["num_warps"], num_stages=p["num_stages"])
     return out
+
+
+def reserve(device: torch.device) -> None:
+    """Allocate ``device``'s counters now (the model calls this at load, so that no graph capture allocates them)."""
+    if device.type == "cuda":
+        _locks(device, 4096)
+
+
+def _fp8_gemv_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int = 1,
+                     config: dict | None = None) -> torch.Tensor:
+    """Launch the kernel (``config`` overrides :func:`plan`, for sweeps); more than ``MAX_M`` rows, a non-bf16 x or K
+    not a multiple of 32 go through the reference arithmetic."""
+    M, N, K = _check(x, w8, w_scale, groups)
+    if M > MAX_M or x.dtype != torch.bfloat16 or K % 32:
+        return fp8_gemv_ref(x, w8, w_scale, groups)
+    return _launch(x, None, w8, w_scale, groups, config)
 
 
 def _fp8_gemv_fake(x, w8, w_scale, groups=1):
@@ -207,4 +240,35 @@ def _fp8_gemv_fake(x, w8, w_scale, groups=1):
 fp8_gemv = define_op("fp8_gemv", "(Tensor x, Tensor w8, Tensor w_scale, int groups=1) -> Tensor",
                      fp8_gemv_ref, _fp8_gemv_triton if HAS_TRITON else None, _fp8_gemv_fake)
 
-__all__ = ["fp8_gemv", "fp8_gemv_ref", "plan", "MAX_M"]
+
+def _check_q(q: torch.Tensor, scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> None:
+    fp8_gemm._check_rows(q, w8, w_scale, 1, "fp8_gemv_q")
+    if scale.numel() != q.shape[0]:
+        raise ValueError(f"fp8_gemv_q: scale must hold one scale per row of q ({q.shape[0]}), got {tuple(scale.shape)}")
+
+
+def fp8_gemv_q_ref(q: torch.Tensor, scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Plain PyTorch: the E4M3 codes q under their per-token scales times the E4M3 rows and their scales, fp32 (the
+    arithmetic of ``linear.w8a8_quantised_ref``); bf16 out."""
+    _check_q(q, scale, w8, w_scale)
+    qf = formats.as_uint8(q).view(torch.float8_e4m3fn).float()
+    wf = formats.as_uint8(w8).view(torch.float8_e4m3fn).float()
+    return ((qf @ wf.t()) * scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).bfloat16()
+
+
+def _fp8_gemv_q_triton(q: torch.Tensor, scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
+                       config: dict | None = None) -> torch.Tensor:
+    _check_q(q, scale, w8, w_scale)
+    if q.shape[0] > MAX_M or q.shape[1] % 32:
+        return fp8_gemv_q_ref(q, scale, w8, w_scale)
+    return _launch(q, scale, w8, w_scale, 1, config)
+
+
+def _fp8_gemv_q_fake(q, scale, w8, w_scale):
+    return torch.empty(q.shape[0], w8.shape[0], dtype=torch.bfloat16, device=q.device)
+
+
+fp8_gemv_q = define_op("fp8_gemv_q", "(Tensor q, Tensor scale, Tensor w8, Tensor w_scale) -> Tensor",
+                       fp8_gemv_q_ref, _fp8_gemv_q_triton if HAS_TRITON else None, _fp8_gemv_q_fake)
+
+__all__ = ["fp8_gemv", "fp8_gemv_ref", "fp8_gemv_q", "fp8_gemv_q_ref", "plan", "reserve", "MAX_M"]
