@@ -163,3 +163,21 @@ def test_cuda_prequantised(M, N, K):
         got = torch.ops.dsv41.fp8_gemv_q(q, s, w8, ws).float()
         err = ((got - want).norm() / want.norm()).item()
         assert err < 3e-3, f"M={M} N={N} K={K}: rel err {err:.2e}"
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_cuda_two_streams_at_once():
+    """Launches on two streams that may overlap (the model's side stream) each keep their own counters: both results
+    equal the serial ones, repeatedly."""
+    x, w8, ws = make_rows(1, 5120, 8192, seed=7, device="cuda")
+    x2, w82, ws2 = make_rows(1, 1792, 5120, seed=8, device="cuda")
+    want, want2 = torch.ops.dsv41.fp8_gemv(x, w8, ws), torch.ops.dsv41.fp8_gemv(x2, w82, ws2)
+    side = torch.cuda.Stream()
+    for _ in range(20):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            got2 = torch.ops.dsv41.fp8_gemv(x2, w82, ws2)
+        got = torch.ops.dsv41.fp8_gemv(x, w8, ws)
+        torch.cuda.current_stream().wait_stream(side)
+        assert torch.equal(got, want) and torch.equal(got2, want2)

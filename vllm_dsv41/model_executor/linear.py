@@ -572,7 +572,10 @@ class QuantLinear(nn.Module):
                 self.gemv_rows = gemv_rows()
                 if self.groups > 1 and grouped_gemm_backend() == "bf16":  # longer passes: the batched bf16 GEMM
                     self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
-                fp8_gemv.reserve(self.w8.device)  # the split-K counters exist before any graph is captured
+                from vllm_dsv41.model_executor.overlap import side_streams
+
+                # the split-K counters of every stream it may run on exist before any graph is captured
+                fp8_gemv.reserve(self.w8.device, side_streams(self.w8.device))
             del self.weight, self.scale
             return
         if backend == "bf16":

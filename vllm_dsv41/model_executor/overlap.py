@@ -17,7 +17,8 @@ sync.
 the side stream; 0 turns it off (the serial order, for comparison).  Large prefill passes keep the serial order:
 there both branches are compute-bound GEMMs that would only take SMs from each other.
 
-What may run on the side stream: ops without per-device shared state.  ``dsv41::router`` keeps its arrival counters
+What may run on the side stream: ops without per-device shared state (``dsv41::fp8_gemv`` keeps its counters per
+stream: :func:`side_streams` lets it reserve the side streams' at load).  ``dsv41::router`` keeps its arrival counters
 in one buffer per device (``ops/router.py``), so two routers must not run on two streams at once; it stays on the
 main stream (``MoE._routed``).
 
@@ -50,6 +51,17 @@ def overlap_rows() -> int:
 @functools.lru_cache(maxsize=None)
 def _side_stream(device_index: int, lane: int = 0) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)
+
+
+LANES = (0, 1)
+
+
+def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, ...]:
+    """Every lane's side stream of ``device`` when the overlap is on (none off CUDA or with the limit 0)."""
+    if device.type != "cuda" or overlap_rows() == 0:
+        return ()
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return tuple(_side_stream(index, lane) for lane in LANES)
 
 
 def side_stream_for(x: torch.Tensor, lane: int = 0) -> torch.cuda.Stream | None:

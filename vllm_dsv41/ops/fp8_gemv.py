@@ -176,14 +176,27 @@ _LOCKS: dict[tuple, torch.Tensor] = {}
 
 
 def _locks(device: torch.device, n: int) -> torch.Tensor:
-    """Per-device arrival counters (zero between launches: the last program of a tile resets its own); one buffer
-    serves every launch on the stream, whose launches never overlap."""
-    key = (device.type, device.index)
+    """Arrival counters of the current stream on ``device`` (zero between launches: the last program of a tile resets
+    its own).  One buffer per stream: launches on one stream never overlap, launches on two streams may (the model
+    runs the shared expert and the indexer's ``wq_b`` on a side stream beside the main stream's GEMMs)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device.type, device.index, stream)
     buf = _LOCKS.get(key)
     if buf is None or buf.numel() < n:
         buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
         _LOCKS[key] = buf
     return buf
+
+
+def reserve(device: torch.device, streams: tuple = ()) -> None:
+    """Allocate the counters of ``device``'s current stream and of ``streams`` now (the model calls this at load, so
+    that no graph capture allocates them)."""
+    if device.type != "cuda":
+        return
+    _locks(device, 4096)
+    for s in streams:
+        with torch.cuda.stream(s):
+            _locks(device, 4096)
 
 
 def _launch(x: torch.Tensor, xs: torch.Tensor | None, w8: torch.Tensor, w_scale: torch.Tensor, groups: int,
@@ -215,12 +228,6 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w8: torch.Tensor, w_scale:
         SPLIT_K=split, THREADS=32 * p["num_warps"], INTERPRET=interpreting(), PREQUANT=xs is not None,
         num_warps=p["num_warps"], num_stages=p["num_stages"])
     return out
-
-
-def reserve(device: torch.device) -> None:
-    """Allocate ``device``'s counters now (the model calls this at load, so that no graph capture allocates them)."""
-    if device.type == "cuda":
-        _locks(device, 4096)
 
 
 def _fp8_gemv_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int = 1,
