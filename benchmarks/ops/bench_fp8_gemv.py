@@ -100,13 +100,13 @@ def main() -> None:
             line = "  ".join(f"{k} {v:7.1f}" for k, v in out.items())
             print(f"{name:16s} M={M}  plan {p['SPLIT_K']}x{p['BLOCK_N']}  err {err:.1e}  | {line}  | gemv "
                   f"{nbytes / (out['gemv'] * 1e-6) / 1e12:.2f} TB/s ({100 * nbytes / (out['gemv'] * 1e-6) / HBM_BYTES_PER_S:.0f}%)")
-            rows.append((name, M, out, G))
+            rows.append((name, M, out))
     print("\nsummary (µs per call; sum over one batch-1 layer's shapes at M=1: gemv vs the best other route)")
     for M in args.rows:
-        g = sum(o["gemv"] for n, m, o, _ in rows if m == M)
-        best = sum(min(v for k, v in o.items() if not k.startswith("gemv")) for n, m, o, _ in rows if m == M)
-        cut = sum(o.get("cutlass", o["bf16"]) if G == 1 else o["bf16"] for n, m, o, G in rows if m == M)
-        bestg = sum(min(v for k, v in o.items() if k.startswith("gemv") and k != "gemv_q") for n, m, o, _ in rows if m == M)
+        g = sum(o["gemv"] for n, m, o in rows if m == M)
+        best = sum(min(v for k, v in o.items() if not k.startswith("gemv")) for n, m, o in rows if m == M)
+        cut = sum(o.get("cutlass", o["bf16"]) for n, m, o in rows if m == M)  # the grouped wo_a has no cutlass
+        bestg = sum(min(v for k, v in o.items() if k.startswith("gemv") and k != "gemv_q") for n, m, o in rows if m == M)
         print(f"M={M}: gemv plan {g:.1f}, best gemv variant {bestg:.1f}, best other {best:.1f}, the default routes "
               f"(cutlass where vLLM imports, the grouped wo_a on bf16) {cut:.1f}")
 

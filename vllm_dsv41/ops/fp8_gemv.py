@@ -43,17 +43,24 @@ def _check(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int
     return x.shape[0], *w8.shape
 
 
+def _e4m3_f32(t: torch.Tensor) -> torch.Tensor:
+    return formats.as_uint8(t).view(torch.float8_e4m3fn).float()
+
+
+def _codes_times_rows(q: torch.Tensor, scale: torch.Tensor, wf: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """E4M3 codes q [M, K] under per-token scales [M] or [M, 1] times the fp32 weight rows wf [n, K] under their scales
+    ws [n]: fp32 [M, n], the product of ``linear.w8a8_quantised_ref``."""
+    return (_e4m3_f32(q) @ wf.t()) * scale.float().reshape(-1, 1) * ws.reshape(1, -1)
+
+
 def fp8_gemv_ref(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """Plain PyTorch (CPU implementation and test oracle): each (token, group) slice quantised by
     :func:`formats.quant_fp8_tokens`, times its group's E4M3 rows and their scales, fp32; x's dtype out."""
     M, N, K = _check(x, w8, w_scale, groups)
     n = N // groups
-    wf = formats.as_uint8(w8).view(torch.float8_e4m3fn).float()
-    ws = w_scale.float().reshape(N)
-    outs = []
-    for g in range(groups):
-        q, s = formats.quant_fp8_tokens(x[:, g * K:(g + 1) * K])
-        outs.append((q.float() @ wf[g * n:(g + 1) * n].t()) * s * ws[g * n:(g + 1) * n])
+    wf, ws = _e4m3_f32(w8), w_scale.float().reshape(N)
+    outs = [_codes_times_rows(*formats.quant_fp8_tokens(x[:, g * K:(g + 1) * K]), wf[g * n:(g + 1) * n],
+                              ws[g * n:(g + 1) * n]) for g in range(groups)]
     return torch.cat(outs, 1).to(x.dtype)
 
 
@@ -258,9 +265,7 @@ def fp8_gemv_q_ref(q: torch.Tensor, scale: torch.Tensor, w8: torch.Tensor, w_sca
     """Plain PyTorch: the E4M3 codes q under their per-token scales times the E4M3 rows and their scales, fp32 (the
     arithmetic of ``linear.w8a8_quantised_ref``); bf16 out."""
     _check_q(q, scale, w8, w_scale)
-    qf = formats.as_uint8(q).view(torch.float8_e4m3fn).float()
-    wf = formats.as_uint8(w8).view(torch.float8_e4m3fn).float()
-    return ((qf @ wf.t()) * scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).bfloat16()
+    return _codes_times_rows(q, scale, _e4m3_f32(w8), w_scale.float().reshape(-1)).bfloat16()
 
 
 def _fp8_gemv_q_triton(q: torch.Tensor, scale: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tensor,
