@@ -54,6 +54,7 @@ DENSE_GEMM_ENV = "VLLM_DSV41_DENSE_GEMM"
 MOE_ENV = "VLLM_DSV41_MOE"
 MOE_BF16_FROM_ENV = "VLLM_DSV41_MOE_BF16_FROM"
 MOE_FP8_FROM_ENV = "VLLM_DSV41_MOE_FP8_FROM"
+MOE_GEMV_ROWS_ENV = "VLLM_DSV41_MOE_GEMV_ROWS"
 GROUPED_GEMM_ENV = "VLLM_DSV41_GROUPED_GEMM"
 SMALL_GEMM_ENV = "VLLM_DSV41_SMALL_GEMM"
 FP8_MOE_GEMM_ENV = "VLLM_DSV41_FP8_MOE_GEMM"
@@ -201,11 +202,12 @@ def resolve_moe_backend(backend: str, hidden: int, inter: int) -> str:
 
 
 @functools.cache
-def log_moe_choice(backend: str, bf16_from: int, fp8_from: int = 0) -> None:
+def log_moe_choice(backend: str, bf16_from: int, fp8_from: int = 0, gemv_rows: int = 0) -> None:
     """Say once per process which routed-expert path the fast path took (benchmark logs record it)."""
-    logger.info("vllm-dsv41: routed experts through %s%s%s", backend,
+    logger.info("vllm-dsv41: routed experts through %s%s%s%s", backend,
                 f", bf16_moe from {bf16_from} tokens" if bf16_from else "",
-                f", fp8_moe from {fp8_from} tokens" if fp8_from else "")
+                f", fp8_moe from {fp8_from} tokens" if fp8_from else "",
+                f", moe_gemv up to {gemv_rows} tokens" if gemv_rows else "")
 
 
 def env_count(name: str, default: int, what: str) -> int:
@@ -230,6 +232,23 @@ def moe_bf16_from(backend: str = "marlin") -> int:
     per token and layer in a 16k-token prefill; break-even near 1k tokens, an estimate); for ``ogs`` 0, since
     ``matmul_ogs`` beat bf16_moe (its per-call decode of the experts included) at 4,096 tokens on the H200."""
     return env_count(MOE_BF16_FROM_ENV, 0 if backend == "ogs" else 2048, "a token count >= 0 (0: never)")
+
+
+DEFAULT_MOE_GEMV_ROWS = 0
+"""Default of ``VLLM_DSV41_MOE_GEMV_ROWS``: off until ``dsv41::moe_gemv`` is measured faster than ``matmul_ogs`` end to
+end (docs/benchmarks.md)."""
+
+
+def moe_gemv_rows() -> int:
+    """``VLLM_DSV41_MOE_GEMV_ROWS``: forward passes of at most this many tokens run the routed experts through
+    ``dsv41::moe_gemv`` (the few-token MXFP4 kernels on MXFP8 activations, no sort by expert; also inside captured
+    decode steps); 0 (default, :data:`DEFAULT_MOE_GEMV_ROWS`) turns that off; at most ``moe_gemv.MAX_TOKENS``."""
+    from vllm_dsv41.ops import env_rows, moe_gemv
+
+    n = env_rows(MOE_GEMV_ROWS_ENV, DEFAULT_MOE_GEMV_ROWS)
+    if n > moe_gemv.MAX_TOKENS:
+        raise ValueError(f"{MOE_GEMV_ROWS_ENV}={n}: moe_gemv serves at most {moe_gemv.MAX_TOKENS} tokens")
+    return n
 
 
 DEFAULT_MOE_FP8_FROM = 4096

@@ -45,7 +45,8 @@ from vllm_dsv41.model_executor.linear import (FUSED_QUANT_MAX_ROWS, Dense, Exper
                                               fp8_row_exponents, fuse_rows_on_cuda, fused_act_quant, fused_quant,
                                               fused_rms_norm, fused_rms_norm_quant, log_moe_choice, loop_moe,
                                               marlin_expert_stack, marlin_moe,
-                                              masked_moe, moe_backend, moe_bf16_from, moe_fp8_from, mxfp4_expert_stack,
+                                              masked_moe, moe_backend, moe_bf16_from, moe_fp8_from, moe_gemv_rows,
+                                              mxfp4_expert_stack,
                                               ogs_expert_stack, ogs_moe, on_fast_device, QuantRows,
                                               reads_quantised_rows, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, MixedGraphs, graph_mode, in_static_step,
@@ -158,7 +159,7 @@ def use_ops(mode: str, device: torch.device) -> bool:
 @functools.cache
 def _ops():
     """``torch.ops.dsv41`` with every op of the package registered."""
-    from vllm_dsv41.ops import (compressor, indexer, mhc, moe_mxfp4, ring, rope, router,  # noqa: F401
+    from vllm_dsv41.ops import (compressor, indexer, mhc, moe_gemv, moe_mxfp4, ring, rope, router,  # noqa: F401
                                 sparse_attn, swa_insert, swiglu_quant, topk)
 
     return torch.ops.dsv41
@@ -693,6 +694,7 @@ class MoE(nn.Module):
         self.ogs: tuple | None = None  # the same bytes in matmul_ogs' layouts (VLLM_DSV41_MOE=ogs)
         self.bf16_from = 0  # tokens from which a forward takes bf16_moe (0: never)
         self.fp8_from = 0  # tokens from which a forward takes fp8_moe (0: never; before bf16_from)
+        self.gemv_rows = 0  # tokens up to which a forward takes dsv41::moe_gemv (0: never)
         self.fp8_rows: tuple[torch.Tensor, ...] | None = None  # fp8_moe's per-row exponents and scales
         self.act_dtype = wf.dense_dtype  # the experts' input dtype on the fast path
         self._x_rows_quantisable: bool | None = None  # takes_quantised_input's weight/switch part
@@ -707,11 +709,18 @@ class MoE(nn.Module):
                 return
             self.bf16_from = moe_bf16_from(backend)
             self.fp8_from = moe_fp8_from(self.gate.weight.device)
-            log_moe_choice(backend, self.bf16_from, self.fp8_from)
+            self.gemv_rows = moe_gemv_rows()
+            log_moe_choice(backend, self.bf16_from, self.fp8_from, self.gemv_rows)
             if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
                 self.ogs = ogs_expert_stack(self.experts)
-            if backend == "triton" or self.bf16_from or self.fp8_from:
+            if backend == "triton" or self.bf16_from or self.fp8_from or self.gemv_rows:
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
+            if self.gemv_rows:
+                from vllm_dsv41.model_executor.overlap import side_streams
+                from vllm_dsv41.ops import fp8_gemv
+
+                # moe_gemv's split counters (fp8_gemv's, per stream) exist before any graph is captured
+                fp8_gemv.reserve(self.gate.weight.device, side_streams(self.gate.weight.device))
             if self.fp8_from:
                 self.fp8_rows = fp8_row_exponents(self.mxfp4)
             if backend == "marlin":
@@ -732,6 +741,8 @@ class MoE(nn.Module):
                 return fp8_moe(xb, self.mxfp4, self.fp8_rows, idx, wts, self.limit)
             if self.bf16_from and T >= self.bf16_from:
                 return bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
+        if T <= self.gemv_rows and xb.dtype == torch.bfloat16:  # no host sync: also inside captured decode steps
+            return _ops().moe_gemv(xb, *self.mxfp4, idx, wts, self.limit)
         if self.marlin is not None:
             return marlin_moe(xb, self.marlin, idx, wts, self.limit)
         if self.ogs is not None:  # no host sync: also inside captured decode steps
