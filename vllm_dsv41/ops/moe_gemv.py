@@ -105,7 +105,9 @@ def _group_dot(w_rows, s_rows, g, xt, xs, n_ok, INTERPRET: tl.constexpr):
     255, which no MXFP4 encoder writes for finite weights, read as 0 and inf instead of 2^-127 and NaN)."""
     j = tl.arange(0, 16)
     b = tl.load(w_rows + (g * 16 + j)[None, :], mask=n_ok[:, None], other=0)
-    w = tl.reshape(tl.join(_lo_e4m3(b, INTERPRET), _hi_e4m3(b, INTERPRET)), (b.shape[0], 32))  # inputs in order
+    # [low nibbles | high nibbles] along K: the even inputs, then the odd ones (the activation tile is stored in that
+    # order, :func:`_store_padded`), so each thread's MMA registers are the decodes of one 32-bit word of the row
+    w = tl.reshape(tl.permute(tl.join(_lo_e4m3(b, INTERPRET), _hi_e4m3(b, INTERPRET)), (0, 2, 1)), (b.shape[0], 32))
     if INTERPRET:
         part = tl.dot(w, xt, input_precision="ieee")
     else:
@@ -126,14 +128,16 @@ def _x_tile(pad_ptr, g, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _store_padded(pad_ptr, s_ptr, gs, ok, q, scale, INTERPRET: tl.constexpr):
-    """Groups ``gs`` [G] of one row: codes q [G, 32] stored as [G, 16, 32] tiles, the codes in row 0 and zeros below
-    (the token side of the MMA, padded to 16; K-major, as the FP8 MMA reads its operands), scales [G] as fp32."""
+    """Groups ``gs`` [G] of one row: codes q [G, 32] stored as [G, 16, 32] tiles, the codes in row 0 (each group's 16
+    even inputs, then its 16 odd ones: the weights' order in :func:`_group_dot`) and zeros below (the token side of
+    the MMA, padded to 16; K-major, as the FP8 MMA reads its operands), scales [G] as fp32."""
     row = tl.arange(0, 16)[None, :, None]
     if INTERPRET:
         tile = tl.where(row == 0, q.to(tl.int32)[:, None, :], 0).to(tl.uint8)
     else:
         tile = tl.where(row == 0, q.to(tl.float32)[:, None, :], 0.0).to(tl.float8e4nv)
-    offs = gs[:, None, None] * 512 + row * 32 + tl.arange(0, 32)[None, None, :]
+    i = tl.arange(0, 32)
+    offs = gs[:, None, None] * 512 + row * 32 + ((i % 2) * 16 + i // 2)[None, None, :]  # evens, then odds
     tl.store(pad_ptr + offs, tile, mask=ok[:, None, None])
     tl.store(s_ptr + gs, scale, mask=ok)
 
