@@ -113,11 +113,11 @@ def _sigs():
     up = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "idx_ptr": "*i32",
           "hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32",
           **ints("K", "I", "k_slots", "stride_we", "stride_wn", "stride_se", "stride_sn"), "limit": "fp32",
-          "floor": "fp32", **{n: "constexpr" for n in ("BLOCK_N", "SPLIT_K", "THREADS", "INTERPRET")}}
+          "floor": "fp32", **{n: "constexpr" for n in ("BLOCK_N", "SPLIT_K", "CHUNK", "THREADS", "INTERPRET")}}
     down = {"hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "idx_ptr": "*i32",
             "wts_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32",
             **ints("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn"),
-            **{n: "constexpr" for n in ("BLOCK_N", "K_SLOTS", "THREADS", "INTERPRET")}}
+            **{n: "constexpr" for n in ("BLOCK_N", "K_SLOTS", "CHUNK", "THREADS", "INTERPRET")}}
     return up, down
 
 
@@ -130,16 +130,18 @@ def test_kernels_build_for_sm90_without_spills(block_n, split):
     up, down = _sigs()
     aligned = ("K", "I", "H", "stride_we", "stride_wn", "stride_se", "stride_sn")
     p = mg.plan(5120, 2304)
-    got = sm90_build(mg._up_kernel, up, {"BLOCK_N": block_n, "SPLIT_K": split, "THREADS": 128, "INTERPRET": False},
+    got = sm90_build(mg._up_kernel, up, {"BLOCK_N": block_n, "SPLIT_K": split, "CHUNK": p["CHUNK"],
+                                         "THREADS": 128, "INTERPRET": False},
                      p["num_warps"], p["num_stages"], divisible_by_16=aligned)
     print(f"moe_gemv up BLOCK_N={block_n} SPLIT_K={split}: {got}")
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
-    assert got["shared"] >= (p["num_stages"] - 1) * 2 * block_n * 16, "the weight loads are not pipelined"
-    got = sm90_build(mg._down_kernel, down, {"BLOCK_N": block_n, "K_SLOTS": 6, "THREADS": 128, "INTERPRET": False},
+    assert got["shared"] >= (p["num_stages"] - 1) * 2 * block_n * 16 * p["CHUNK"], "the weight loads are not pipelined"
+    got = sm90_build(mg._down_kernel, down, {"BLOCK_N": block_n, "K_SLOTS": 6, "CHUNK": p["CHUNK"],
+                                           "THREADS": 128, "INTERPRET": False},
                      p["num_warps"], p["num_stages"], divisible_by_16=aligned)
     print(f"moe_gemv down BLOCK_N={block_n}: {got}")
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
-    assert got["shared"] >= (p["num_stages"] - 1) * block_n * 16, "the weight loads are not pipelined"
+    assert got["shared"] >= (p["num_stages"] - 1) * block_n * 16 * p["CHUNK"], "the weight loads are not pipelined"
 
 
 def test_kernels_use_the_fp8_mma_and_packed_decode():
@@ -160,7 +162,7 @@ def test_kernels_use_the_fp8_mma_and_packed_decode():
     mg._bind()
     up, _ = _sigs()
     src = ASTSource(fn=mg._up_kernel, signature=up,
-                    constexprs={"BLOCK_N": 128, "SPLIT_K": 2, "THREADS": 128, "INTERPRET": False})
+                    constexprs={"BLOCK_N": 128, "SPLIT_K": 2, "CHUNK": 8, "THREADS": 128, "INTERPRET": False})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

@@ -17,12 +17,14 @@ of expert bytes, ~2 TB/s) plus ~0.4 ms of routing-data kernels (docs/benchmarks.
 pairs need no sort.  Launches:
 
 1. ``_mxfp8_rows_kernel``: x -> E4M3 codes + fp32 power-of-two scales (one program per token and 32 groups);
-2. ``_up_kernel``: grid (I / BLOCK_N, T*k): a program owns one pair and BLOCK_N rows of w1 and the same rows of w3,
-   walks K one 32-input scale group at a time (16 bytes of each row), turns the packed E2M1 bytes into E4M3 bytes
-   four at a time in integer registers (value x 2^-6, exact: one shift-and-mask per nibble position, no lookup, no
-   float conversion), runs the FP8 tensor-core MMA (weights on the M side, the token padded to 16 on the N side) and
-   scales the fp32 partial by the two power-of-two scales; the epilogue applies the clamped SwiGLU and quantises h to
-   MXFP8 (BLOCK_N is a multiple of 32: whole groups);
+2. ``_up_kernel``: grid (I / BLOCK_N, SPLIT_K, T*k): a program owns one pair, one K part and BLOCK_N rows of w1 and
+   the same rows of w3, walks K one 32-input scale group at a time (16 bytes of each row; CHUNK groups unrolled a
+   step), turns the packed E2M1 bytes into E4M3 bytes four at a time in integer registers (value x 2^-6, exact: one
+   shift-and-mask per nibble position, no lookup, no float conversion), runs the FP8 tensor-core MMA (weights on the
+   M side; on the N side a 16-column window of the token's codes, column c = group g + c, of which only column 0 is
+   kept: 512 contiguous bytes, no padded copy) and scales the fp32 partial by the two power-of-two scales; the K parts
+   are summed in order by the tile's last program, whose epilogue applies the clamped SwiGLU and quantises h to MXFP8
+   (BLOCK_N is a multiple of 32: whole groups);
 3. ``_down_kernel``: grid (H / BLOCK_N, k, T): one pair's BLOCK_N rows of w2 over h, times the routing weight; the
    k slots of a tile are summed in slot order by whichever of its programs arrives last (``fp8_gemv``'s counters:
    no fourth launch, graph-safe, deterministic).
@@ -106,7 +108,7 @@ def _group_dot(w_rows, s_rows, g, xt, xs, n_ok, INTERPRET: tl.constexpr):
     j = tl.arange(0, 16)
     b = tl.load(w_rows + (g * 16 + j)[None, :], mask=n_ok[:, None], other=0)
     # [low nibbles | high nibbles] along K: the even inputs, then the odd ones (the activation tile is stored in that
-    # order, :func:`_store_padded`), so each thread's MMA registers are the decodes of one 32-bit word of the row
+    # order, :func:`_store_codes`), so each thread's MMA registers are the decodes of one 32-bit word of the row
     w = tl.reshape(tl.permute(tl.join(_lo_e4m3(b, INTERPRET), _hi_e4m3(b, INTERPRET)), (0, 2, 1)), (b.shape[0], 32))
     if INTERPRET:
         part = tl.dot(w, xt, input_precision="ieee")
@@ -117,28 +119,23 @@ def _group_dot(w_rows, s_rows, g, xt, xs, n_ok, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _x_tile(pad_ptr, g, INTERPRET: tl.constexpr):
-    """Group g of one row's padded MXFP8 codes (:func:`_store_padded`): the MMA's [32, 16] operand as it lies in
-    memory, so the pipeline copies it straight into shared memory."""
-    tile = tl.trans(tl.load(pad_ptr + g * 512 + tl.arange(0, 16)[:, None] * 32 + tl.arange(0, 32)[None, :]))
+def _x_tile(codes_ptr, g, INTERPRET: tl.constexpr):
+    """The MMA's [32, 16] operand for group g of one row's MXFP8 codes (:func:`_store_codes`): column c holds group
+    g + c, so the tile is 512 contiguous bytes and the row's codes need no padding beyond 15 groups of slack at its
+    end.  Only column 0 (group g) is kept by the caller; the others, whatever they hold, reach only their own output
+    columns."""
+    tile = tl.trans(tl.load(codes_ptr + g * 32 + tl.arange(0, 16)[:, None] * 32 + tl.arange(0, 32)[None, :]))
     if INTERPRET:
         return _e4m3_to_f32(tile.to(tl.int32) & 255, False)
     return tile
 
 
 @triton.jit
-def _store_padded(pad_ptr, s_ptr, gs, ok, q, scale, INTERPRET: tl.constexpr):
-    """Groups ``gs`` [G] of one row: codes q [G, 32] stored as [G, 16, 32] tiles, the codes in row 0 (each group's 16
-    even inputs, then its 16 odd ones: the weights' order in :func:`_group_dot`) and zeros below (the token side of
-    the MMA, padded to 16; K-major, as the FP8 MMA reads its operands), scales [G] as fp32."""
-    row = tl.arange(0, 16)[None, :, None]
-    if INTERPRET:
-        tile = tl.where(row == 0, q.to(tl.int32)[:, None, :], 0).to(tl.uint8)
-    else:
-        tile = tl.where(row == 0, q.to(tl.float32)[:, None, :], 0.0).to(tl.float8e4nv)
+def _store_codes(codes_ptr, s_ptr, gs, ok, q, scale):
+    """Groups ``gs`` [G] of one row: codes q [G, 32] stored 32 bytes a group, each group's 16 even inputs, then its 16
+    odd ones (the weights' order in :func:`_group_dot`); scales [G] as fp32."""
     i = tl.arange(0, 32)
-    offs = gs[:, None, None] * 512 + row * 32 + ((i % 2) * 16 + i // 2)[None, None, :]  # evens, then odds
-    tl.store(pad_ptr + offs, tile, mask=ok[:, None, None])
+    tl.store(codes_ptr + gs[:, None] * 32 + ((i % 2) * 16 + i // 2)[None, :], q, mask=ok[:, None])
     tl.store(s_ptr + gs, scale, mask=ok)
 
 
@@ -162,19 +159,21 @@ def _mxfp8_quant(v, floor, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _mxfp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, floor, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr):
+    SLACK: tl.constexpr = 480
     t = tl.program_id(0)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     ok = gs < K // 32
     v = tl.load(x_ptr + t * stride_x + gs[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None],
                 other=0.0).to(tl.float32)
     q, scale = _mxfp8_quant(v, floor, INTERPRET)
-    _store_padded(q_ptr + t * K * 16, s_ptr + t * (K // 32), gs, ok, q, scale, INTERPRET)
+    _store_codes(q_ptr + t * (K + SLACK), s_ptr + t * (K // 32), gs, ok, q, scale)
 
 
 @triton.jit
 def _up_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hq_ptr, hs_ptr, part_ptr, lock_ptr,
                K, I, k_slots, stride_we, stride_wn, stride_se, stride_sn, limit, floor,
-               BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr):
+               BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr,
+               INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     p = tl.program_id(2)                                   # the (token, slot) pair t * k + j
@@ -186,16 +185,18 @@ def _up_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hq_ptr, hs_ptr, part_ptr, 
     wb = wa + I * stride_wn                                                  # w3 rows (up)
     sa = s_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
     sb = sa + I * stride_sn
-    xq_row = xq_ptr + t * K * 16
+    SLACK: tl.constexpr = 480
+    xq_row = xq_ptr + t * (K + SLACK)
     xs_row = xs_ptr + t * (K // 32)
     acc_a = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     groups = K // 32 // SPLIT_K
-    for g in range(pid_k * groups, (pid_k + 1) * groups):
-        xt = _x_tile(xq_row, g, INTERPRET)
-        xs = tl.load(xs_row + g)
-        acc_a += _group_dot(wa, sa, g, xt, xs, n_ok, INTERPRET)
-        acc_b += _group_dot(wb, sb, g, xt, xs, n_ok, INTERPRET)
+    for g0 in range(pid_k * groups, (pid_k + 1) * groups, CHUNK):  # CHUNK groups: 16 * CHUNK bytes of each row
+        for c in tl.static_range(CHUNK):
+            xt = _x_tile(xq_row, g0 + c, INTERPRET)
+            xs = tl.load(xs_row + g0 + c)
+            acc_a += _group_dot(wa, sa, g0 + c, xt, xs, n_ok, INTERPRET)
+            acc_b += _group_dot(wb, sb, g0 + c, xt, xs, n_ok, INTERPRET)
     col = tl.arange(0, 16)[None, :]
     a = tl.sum(tl.where(col == 0, acc_a, 0.0), axis=1)
     b = tl.sum(tl.where(col == 0, acc_b, 0.0), axis=1)
@@ -225,26 +226,29 @@ def _up_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hq_ptr, hs_ptr, part_ptr, 
         G: tl.constexpr = BLOCK_N // 32
         q, scale = _mxfp8_quant(tl.reshape(h, (G, 32)), floor, INTERPRET)
         gs = pid_n * G + tl.arange(0, G)
-        _store_padded(hq_ptr + p * I * 16, hs_ptr + p * (I // 32), gs, gs < I // 32, q, scale, INTERPRET)
+        _store_codes(hq_ptr + p * (I + SLACK), hs_ptr + p * (I // 32), gs, gs < I // 32, q, scale)
 
 
 @triton.jit
 def _down_kernel(hq_ptr, hs_ptr, w_ptr, s_ptr, idx_ptr, wts_ptr, out_ptr, part_ptr, lock_ptr,
                  H, I, stride_we, stride_wn, stride_se, stride_sn,
-                 BLOCK_N: tl.constexpr, K_SLOTS: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr):
+                 BLOCK_N: tl.constexpr, K_SLOTS: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     j = tl.program_id(1)
     t = tl.program_id(2)
     p = t * K_SLOTS + j
+    SLACK: tl.constexpr = 480
     e = tl.load(idx_ptr + p).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for g in range(0, I // 32):
-        ht = _x_tile(hq_ptr + p * I * 16, g, INTERPRET)
-        acc += _group_dot(w_rows, s_rows, g, ht, tl.load(hs_ptr + p * (I // 32) + g), n_ok, INTERPRET)
+    for g0 in range(0, I // 32, CHUNK):
+        for c in tl.static_range(CHUNK):
+            ht = _x_tile(hq_ptr + p * (I + SLACK), g0 + c, INTERPRET)
+            acc += _group_dot(w_rows, s_rows, g0 + c, ht, tl.load(hs_ptr + p * (I // 32) + g0 + c), n_ok, INTERPRET)
     col = tl.arange(0, 16)[None, :]
     y = tl.sum(tl.where(col == 0, acc, 0.0), axis=1) * tl.load(wts_ptr + p).to(tl.float32)
     out = out_ptr + t * H + offs_n
@@ -285,12 +289,22 @@ def _bind() -> None:
 
 def plan(H: int, I: int) -> dict:
     """Launch parameters: 128 weight rows a program in both GEMMs (two 64-row MMAs of a warpgroup; whole 32-wide
-    groups of h), the first GEMM's K in two (its I / 128 tiles times the pairs fill the GPU), 4 warps, 4 stages of
-    the weight stream in flight.  Built for sm_90, a 128-row step of the first GEMM runs ~260 instructions a thread
-    for 4 KB of weights, a 64-row step ~190 for 2 KB (tests/ops/test_moe_gemv.py)."""
+    groups of h), the first GEMM's K in two (its I / 128 tiles times the pairs fill the GPU), one scale group a K step,
+    4 warps, 4 stages of the weight stream in flight.  On an H100 (docs/benchmarks.md, session 26) unrolling 2-8
+    groups a step made the first GEMM slower (80-94 µs against ~65 at T=1) and the second no faster.  Built for sm_90,
+    a 128-row step of the first GEMM runs ~260 instructions a thread for 4 KB of weights (tests/ops/test_moe_gemv.py)."""
     block = 128 if H % 128 == 0 and I % 128 == 0 else 64 if I % 64 == 0 else 32
     split = 2 if (H // 32) % 2 == 0 else 1
-    return dict(UP_BLOCK_N=block, DOWN_BLOCK_N=block, UP_SPLIT_K=split, num_warps=4, num_stages=4)
+    return dict(UP_BLOCK_N=block, DOWN_BLOCK_N=block, UP_SPLIT_K=split, CHUNK=1, num_warps=4, num_stages=4)
+
+
+def _chunk(groups: int, most: int) -> int:
+    """Scale groups a K step of the GEMMs takes (unrolled): the largest power of two up to ``most`` that divides
+    ``groups``.  Eight groups read 128 contiguous bytes of each weight row a step (whole cache lines)."""
+    c = 1
+    while c * 2 <= most and groups % (c * 2) == 0:
+        c *= 2
+    return c
 
 
 def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
@@ -306,16 +320,17 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     p = {**plan(H, I), **(config or {})}
     dev = x.device
     code = torch.uint8 if interp else torch.float8_e4m3fn
-    xq = torch.empty(T, H, 16, dtype=code, device=dev)  # padded MMA tiles: the codes in column 0
+    # the codes of each row, then 15 groups of slack (read into the MMA tiles' discarded columns, never written)
+    xq = torch.empty(T, H + 480, dtype=code, device=dev)
     xs = torch.empty(T, H // 32, dtype=torch.float32, device=dev)
-    hq = torch.empty(T * k, I, 16, dtype=code, device=dev)
+    hq = torch.empty(T * k, I + 480, dtype=code, device=dev)
     hs = torch.empty(T * k, I // 32, dtype=torch.float32, device=dev)
     w13, s13, w2, s2 = (t.contiguous().view(torch.uint8) for t in (w13, s13, w2, s2))
     ids = idx.reshape(-1).to(torch.int32).contiguous()
     floor = formats.MXFP8_AMAX_FLOOR
     x = x.contiguous()
-    _mxfp8_rows_kernel[(T, -(-(H // 32) // 32))](x, xq, xs, H, x.stride(0), floor, BLOCK_G=32, INTERPRET=interp,
-                                                 num_warps=4)
+    _mxfp8_rows_kernel[(T, -(-(H // 32) // 8))](x, xq, xs, H, x.stride(0), floor, BLOCK_G=8, INTERPRET=interp,
+                                                num_warps=1)
     bn, split = p["UP_BLOCK_N"], p["UP_SPLIT_K"]
     if (H // 32) % split or bn % 32:
         raise ValueError(f"moe_gemv: UP_SPLIT_K {split} must divide the {H // 32} groups of x, BLOCK_N {bn} be a multiple "
@@ -325,7 +340,8 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     locks = fp8_gemv._locks(dev, T * k * tiles) if split > 1 else xs
     _up_kernel[(tiles, split, T * k)](xq, xs, w13, s13, ids, hq, hs, part, locks, H, I, k, w13.stride(0),
                                       w13.stride(1), s13.stride(0), s13.stride(1), limit, floor, BLOCK_N=bn,
-                                      SPLIT_K=split, THREADS=32 * p["num_warps"], INTERPRET=interp,
+                                      SPLIT_K=split, CHUNK=_chunk(H // 32 // split, p["CHUNK"]),
+                                      THREADS=32 * p["num_warps"], INTERPRET=interp,
                                       num_warps=p["num_warps"], num_stages=p["num_stages"])
     bn = p["DOWN_BLOCK_N"]
     tiles = -(-H // bn)
@@ -333,7 +349,7 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     locks = fp8_gemv._locks(dev, T * tiles) if k > 1 else out
     _down_kernel[(tiles, k, T)](hq, hs, w2, s2, ids, wts.reshape(-1).float().contiguous(), out, part, locks, H, I,
                                 w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), BLOCK_N=bn, K_SLOTS=k,
-                                THREADS=32 * p["num_warps"], INTERPRET=interp, num_warps=p["num_warps"],
+                                CHUNK=_chunk(I // 32, p["CHUNK"]), THREADS=32 * p["num_warps"], INTERPRET=interp, num_warps=p["num_warps"],
                                 num_stages=p["num_stages"])
     return out
 
