@@ -20,10 +20,10 @@ from _common import HBM_BYTES_PER_S, open_gpu
 
 H, I, E, K_SLOTS, LIMIT = 5120, 2304, 32, 6, 10.0
 CALLS = 8
-VARIANTS = [dict(UP_BLOCK_N=64, DOWN_BLOCK_N=64, UP_SPLIT_K=1), dict(UP_BLOCK_N=64, DOWN_BLOCK_N=64, UP_SPLIT_K=2),
-            dict(UP_BLOCK_N=128, DOWN_BLOCK_N=128, UP_SPLIT_K=1), dict(UP_BLOCK_N=128, DOWN_BLOCK_N=64, UP_SPLIT_K=2),
-            dict(UP_BLOCK_N=128, DOWN_BLOCK_N=128, UP_SPLIT_K=4), dict(num_stages=3), dict(num_stages=6),
-            dict(num_warps=8)]
+VARIANTS = [dict(UP_SPLIT_K=1), dict(UP_SPLIT_K=4), dict(UP_SPLIT_K=5), dict(UP_BLOCK_N=64, DOWN_BLOCK_N=64),
+            dict(UP_BLOCK_N=64, DOWN_BLOCK_N=64, UP_SPLIT_K=4), dict(UP_G=4, DOWN_G=4, UP_SPLIT_K=4),
+            dict(UP_G=16, DOWN_G=16, UP_BLOCK_N=64, DOWN_BLOCK_N=64), dict(UP_G=16, UP_BLOCK_N=64, UP_SPLIT_K=5),
+            dict(num_stages=2), dict(num_stages=4), dict(num_warps=8)]
 
 
 def graph_time(triton, fns) -> float:

@@ -72,10 +72,12 @@ def test_plan_tiles_whole_groups(H, I):
 
 # (T, H, I, E, k, config override)
 INTERPRET_CASES = [
-    (1, 128, 64, 4, 2, None),                                                  # plan: 64-row tiles, K split in two
-    (3, 96, 64, 5, 3, {"UP_BLOCK_N": 32, "DOWN_BLOCK_N": 32}),                 # odd group count: no split
+    (1, 128, 64, 4, 2, None),                                                  # plan: one partial tile each GEMM
+    (3, 96, 64, 5, 3, {"UP_BLOCK_N": 32, "DOWN_BLOCK_N": 32, "UP_G": 1, "DOWN_G": 2}),  # one group a tile
     (2, 64, 128, 3, 1, None),                                                  # one slot: no reduction
-    (2, 256, 128, 6, 6, {"UP_BLOCK_N": 128, "DOWN_BLOCK_N": 64, "UP_SPLIT_K": 4}),
+    (2, 256, 128, 6, 6, {"UP_BLOCK_N": 128, "DOWN_BLOCK_N": 64, "UP_SPLIT_K": 4, "UP_G": 2, "DOWN_G": 4}),
+    (1, 512, 192, 4, 3, {"UP_SPLIT_K": 2, "UP_G": 8, "DOWN_G": 16}),          # 16 groups: K split; 6 of a 16-tile
+    (2, 320, 96, 4, 2, {"UP_G": 4, "DOWN_G": 2, "UP_SPLIT_K": 3}),            # 10 groups in tiles of 4 (ragged)
 ]
 
 _TOL = 1e-2
@@ -110,14 +112,15 @@ def test_triton_interpreter():
 
 def _sigs():
     ints = lambda *names: {n: "i32" for n in names}  # noqa: E731
-    up = {"xq_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "idx_ptr": "*i32",
-          "hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32",
+    up = {"xd_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "idx_ptr": "*i32",
+          "hd_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32",
           **ints("K", "I", "k_slots", "stride_we", "stride_wn", "stride_se", "stride_sn"), "limit": "fp32",
-          "floor": "fp32", **{n: "constexpr" for n in ("BLOCK_N", "SPLIT_K", "CHUNK", "THREADS", "INTERPRET")}}
-    down = {"hq_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "idx_ptr": "*i32",
+          "floor": "fp32", **{n: "constexpr" for n in ("BLOCK_N", "SPLIT_K", "G", "H_G", "EVEN", "THREADS",
+                                                            "INTERPRET")}}
+    down = {"hd_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "idx_ptr": "*i32",
             "wts_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32",
             **ints("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn"),
-            **{n: "constexpr" for n in ("BLOCK_N", "K_SLOTS", "CHUNK", "THREADS", "INTERPRET")}}
+            **{n: "constexpr" for n in ("BLOCK_N", "K_SLOTS", "G", "EVEN", "THREADS", "INTERPRET")}}
     return up, down
 
 
@@ -130,18 +133,19 @@ def test_kernels_build_for_sm90_without_spills(block_n, split):
     up, down = _sigs()
     aligned = ("K", "I", "H", "stride_we", "stride_wn", "stride_se", "stride_sn")
     p = mg.plan(5120, 2304)
-    got = sm90_build(mg._up_kernel, up, {"BLOCK_N": block_n, "SPLIT_K": split, "CHUNK": p["CHUNK"],
+    got = sm90_build(mg._up_kernel, up, {"BLOCK_N": block_n, "SPLIT_K": split, "G": p["UP_G"], "H_G": p["DOWN_G"],
+                                         "EVEN": True,
                                          "THREADS": 128, "INTERPRET": False},
                      p["num_warps"], p["num_stages"], divisible_by_16=aligned)
     print(f"moe_gemv up BLOCK_N={block_n} SPLIT_K={split}: {got}")
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
-    assert got["shared"] >= (p["num_stages"] - 1) * 2 * block_n * 16 * p["CHUNK"], "the weight loads are not pipelined"
-    got = sm90_build(mg._down_kernel, down, {"BLOCK_N": block_n, "K_SLOTS": 6, "CHUNK": p["CHUNK"],
+    assert got["shared"] >= (p["num_stages"] - 1) * 2 * block_n * 16 * p["UP_G"], "the weight loads are not pipelined"
+    got = sm90_build(mg._down_kernel, down, {"BLOCK_N": block_n, "K_SLOTS": 6, "G": p["DOWN_G"], "EVEN": True,
                                            "THREADS": 128, "INTERPRET": False},
                      p["num_warps"], p["num_stages"], divisible_by_16=aligned)
     print(f"moe_gemv down BLOCK_N={block_n}: {got}")
     assert got["stack"] == 0 and got["regs"] <= 255 and got["shared"] <= SM90_SHARED_LIMIT
-    assert got["shared"] >= (p["num_stages"] - 1) * block_n * 16 * p["CHUNK"], "the weight loads are not pipelined"
+    assert got["shared"] >= (p["num_stages"] - 1) * block_n * 16 * p["DOWN_G"], "the weight loads are not pipelined"
 
 
 def test_kernels_use_the_fp8_mma_and_packed_decode():
@@ -162,7 +166,8 @@ def test_kernels_use_the_fp8_mma_and_packed_decode():
     mg._bind()
     up, _ = _sigs()
     src = ASTSource(fn=mg._up_kernel, signature=up,
-                    constexprs={"BLOCK_N": 128, "SPLIT_K": 2, "CHUNK": 8, "THREADS": 128, "INTERPRET": False})
+                    constexprs={"BLOCK_N": 128, "SPLIT_K": 2, "G": 8, "H_G": 8, "EVEN": True, "THREADS": 128,
+                                "INTERPRET": False})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

@@ -16,18 +16,25 @@ Why an op: at batch 1 the routed experts of a decode step took 2.29 ms in ``matm
 of expert bytes, ~2 TB/s) plus ~0.4 ms of routing-data kernels (docs/benchmarks.md, session 21); six (token, slot)
 pairs need no sort.  Launches:
 
-1. ``_mxfp8_rows_kernel``: x -> E4M3 codes + fp32 power-of-two scales (one program per token and 32 groups);
+1. ``_mxfp8_rows_kernel``: x -> E4M3 codes + fp32 power-of-two scales, the codes in the *diagonal layout*
+   (:func:`_store_diag`): tiles of G scale groups, each the MMA's [32G, 16] operand with group c of the tile in
+   column c and zeros elsewhere;
 2. ``_up_kernel``: grid (I / BLOCK_N, SPLIT_K, T*k): a program owns one pair, one K part and BLOCK_N rows of w1 and
-   the same rows of w3, walks K one 32-input scale group at a time (16 bytes of each row; CHUNK groups unrolled a
-   step), turns the packed E2M1 bytes into E4M3 bytes four at a time in integer registers (value x 2^-6, exact: one
-   shift-and-mask per nibble position, no lookup, no float conversion), runs the FP8 tensor-core MMA (weights on the
-   M side; on the N side a 16-column window of the token's codes, column c = group g + c, of which only column 0 is
-   kept: 512 contiguous bytes, no padded copy) and scales the fp32 partial by the two power-of-two scales; the K parts
-   are summed in order by the tile's last program, whose epilogue applies the clamped SwiGLU and quantises h to MXFP8
-   (BLOCK_N is a multiple of 32: whole groups);
-3. ``_down_kernel``: grid (H / BLOCK_N, k, T): one pair's BLOCK_N rows of w2 over h, times the routing weight; the
-   k slots of a tile are summed in slot order by whichever of its programs arrives last (``fp8_gemv``'s counters:
-   no fourth launch, graph-safe, deterministic).
+   the same rows of w3, and walks K a tile at a time (16G contiguous bytes of each row): it turns the packed E2M1
+   bytes into E4M3 bytes four at a time in integer registers (value x 2^-6, exact: one shift-and-mask per nibble
+   position, no lookup, no float conversion), runs one FP8 tensor-core MMA [BLOCK_N, 32G] x [32G, 16] against the
+   diagonal tile, so output column c is group c's unscaled partial, and multiplies the [BLOCK_N, 16] result by the
+   groups' weight and activation scales into the accumulator (one multiply-add a column per G groups; a column sum
+   at the end).  The K parts are summed in order by the tile's last program, whose epilogue applies the clamped
+   SwiGLU and quantises h to MXFP8 in the diagonal layout (BLOCK_N is a multiple of 32: whole groups);
+3. ``_down_kernel``: grid (H / BLOCK_N, k, T): one pair's BLOCK_N rows of w2 over h the same way, times the routing
+   weight; the k slots of a tile are summed in slot order by whichever of its programs arrives last (``fp8_gemv``'s
+   counters: no fourth launch, graph-safe, deterministic).
+
+The diagonal tile spends 16x the MMA work a one-column product needs, which Hopper's FP8 tensor cores have to spare
+at one token; what it buys is one MMA and one scale pass per G groups, instead of one of each per group (the first
+version: ~65 µs for the first GEMM at one token on an H100, where its weight bytes take ~22).  The zeros of the
+layout are written once, when its buffer is made (:func:`_diag`, :func:`reserve`).
 
 Why not the earlier MXFP4 kernels: ``dsv41::moe_mxfp4`` decodes each nibble to fp32 with four to six integer
 operations per weight and upcasts to bf16 for the MMA; at one token that integer work, not the weight bytes, sets the
@@ -100,43 +107,44 @@ def _hi_e4m3(b, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _group_dot(w_rows, s_rows, g, xt, xs, n_ok, INTERPRET: tl.constexpr):
-    """One 32-input group of BLOCK_N weight rows (``w_rows`` [BLOCK_N, 1] byte pointers, ``s_rows`` [BLOCK_N] scale
-    pointers) against the activation tile ``xt`` [32, 16] under its scale ``xs``: fp32 [BLOCK_N, 16], the scales and
-    the 2^6 of the E4M3 reading applied.  The UE8M0 byte becomes the float's exponent field as it is (bytes 0 and
+def _tile_dot(w_rows, s_rows, xd_row, xs_row, tau, n_groups, n_ok, G: tl.constexpr, EVEN: tl.constexpr,
+              INTERPRET: tl.constexpr):
+    """Tile ``tau`` (G scale groups, 16 * G bytes of each row) of BLOCK_N weight rows (``w_rows`` [BLOCK_N, 1] byte
+    pointers, ``s_rows`` [BLOCK_N] scale pointers) against one row's diagonal activation tile (:func:`_store_diag`):
+    fp32 [BLOCK_N, 16] whose column c is group tau * G + c's partial dot, its two scales and the 2^6 of the E4M3
+    reading applied (columns from G on are 0).  The UE8M0 byte becomes the float's exponent field as it is (bytes 0 and
     255, which no MXFP4 encoder writes for finite weights, read as 0 and inf instead of 2^-127 and NaN)."""
-    j = tl.arange(0, 16)
-    b = tl.load(w_rows + (g * 16 + j)[None, :], mask=n_ok[:, None], other=0)
-    # [low nibbles | high nibbles] along K: the even inputs, then the odd ones (the activation tile is stored in that
-    # order, :func:`_store_codes`), so each thread's MMA registers are the decodes of one 32-bit word of the row
-    w = tl.reshape(tl.permute(tl.join(_lo_e4m3(b, INTERPRET), _hi_e4m3(b, INTERPRET)), (0, 2, 1)), (b.shape[0], 32))
+    j = tau * (16 * G) + tl.arange(0, 16 * G)
+    if EVEN:
+        b = tl.load(w_rows + j[None, :], mask=n_ok[:, None], other=0)
+    else:
+        b = tl.load(w_rows + j[None, :], mask=n_ok[:, None] & (j < n_groups * 16)[None, :], other=0)
+    # along K: the tile's low nibbles (its even inputs), then its high nibbles (the odd ones), the diagonal tile's
+    # order, so each thread's MMA registers are the decodes of one 32-bit word of the row
+    w = tl.reshape(tl.permute(tl.join(_lo_e4m3(b, INTERPRET), _hi_e4m3(b, INTERPRET)), (0, 2, 1)), (b.shape[0], 32 * G))
+    c = tl.arange(0, 16)
+    xt = tl.load(xd_row + tau * (512 * G) + c[None, :] * (32 * G) + tl.arange(0, 32 * G)[:, None])
     if INTERPRET:
-        part = tl.dot(w, xt, input_precision="ieee")
+        part = tl.dot(w, _e4m3_to_f32(xt.to(tl.int32) & 255, False), input_precision="ieee")
     else:
         part = tl.dot(w, xt)
-    sc = tl.load(s_rows + g, mask=n_ok, other=127).to(tl.int32)
-    return part * ((sc << 23).to(tl.float32, bitcast=True) * (xs * 64.0))[:, None]
+    gs = tau * G + c
+    g_ok = (c < G) & (gs < n_groups)
+    sc = tl.load(s_rows[:, None] + gs[None, :], mask=n_ok[:, None] & g_ok[None, :], other=0).to(tl.int32)
+    xs = tl.load(xs_row + gs, mask=g_ok, other=0.0)
+    return part * ((sc << 23).to(tl.float32, bitcast=True) * (xs * 64.0)[None, :])
 
 
 @triton.jit
-def _x_tile(codes_ptr, g, INTERPRET: tl.constexpr):
-    """The MMA's [32, 16] operand for group g of one row's MXFP8 codes (:func:`_store_codes`): column c holds group
-    g + c, so the tile is 512 contiguous bytes and the row's codes need no padding beyond 15 groups of slack at its
-    end.  Only column 0 (group g) is kept by the caller; the others, whatever they hold, reach only their own output
-    columns."""
-    tile = tl.trans(tl.load(codes_ptr + g * 32 + tl.arange(0, 16)[:, None] * 32 + tl.arange(0, 32)[None, :]))
-    if INTERPRET:
-        return _e4m3_to_f32(tile.to(tl.int32) & 255, False)
-    return tile
-
-
-@triton.jit
-def _store_codes(codes_ptr, s_ptr, gs, ok, q, scale):
-    """Groups ``gs`` [G] of one row: codes q [G, 32] stored 32 bytes a group, each group's 16 even inputs, then its 16
-    odd ones (the weights' order in :func:`_group_dot`); scales [G] as fp32."""
+def _store_diag(codes_row, s_row, gs, ok, q, scale, G: tl.constexpr):
+    """Groups ``gs`` [n] of one row into its diagonal layout: tile gs // G is the MMA's [32 * G, 16] operand, K-major
+    (16 columns of 32 * G bytes), whose column c = gs % G holds group gs's 16 even inputs at K 16c.. and its 16 odd
+    ones at K 16G + 16c.. and zeros elsewhere (written once, when the buffer is made, never here); scales [n] as fp32."""
     i = tl.arange(0, 32)
-    tl.store(codes_ptr + gs[:, None] * 32 + ((i % 2) * 16 + i // 2)[None, :], q, mask=ok[:, None])
-    tl.store(s_ptr + gs, scale, mask=ok)
+    c = gs % G
+    off = (gs // G) * (512 * G) + c * (32 * G + 16)
+    tl.store(codes_row + off[:, None] + ((i % 2) * (16 * G) + i // 2)[None, :], q, mask=ok[:, None])
+    tl.store(s_row + gs, scale, mask=ok)
 
 
 @triton.jit
@@ -158,22 +166,22 @@ def _mxfp8_quant(v, floor, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _mxfp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, floor, BLOCK_G: tl.constexpr, INTERPRET: tl.constexpr):
-    SLACK: tl.constexpr = 480
+def _mxfp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, floor, BLOCK_G: tl.constexpr, G: tl.constexpr,
+                       INTERPRET: tl.constexpr):
     t = tl.program_id(0)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     ok = gs < K // 32
     v = tl.load(x_ptr + t * stride_x + gs[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None],
                 other=0.0).to(tl.float32)
     q, scale = _mxfp8_quant(v, floor, INTERPRET)
-    _store_codes(q_ptr + t * (K + SLACK), s_ptr + t * (K // 32), gs, ok, q, scale)
+    _store_diag(q_ptr + t * (tl.cdiv(K // 32, G) * (512 * G)), s_ptr + t * (K // 32), gs, ok, q, scale, G)
 
 
 @triton.jit
-def _up_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hq_ptr, hs_ptr, part_ptr, lock_ptr,
+def _up_kernel(xd_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hd_ptr, hs_ptr, part_ptr, lock_ptr,
                K, I, k_slots, stride_we, stride_wn, stride_se, stride_sn, limit, floor,
-               BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, G: tl.constexpr, H_G: tl.constexpr,
+               EVEN: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     p = tl.program_id(2)                                   # the (token, slot) pair t * k + j
@@ -185,21 +193,18 @@ def _up_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hq_ptr, hs_ptr, part_ptr, 
     wb = wa + I * stride_wn                                                  # w3 rows (up)
     sa = s_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
     sb = sa + I * stride_sn
-    SLACK: tl.constexpr = 480
-    xq_row = xq_ptr + t * (K + SLACK)
-    xs_row = xs_ptr + t * (K // 32)
+    n_groups = K // 32
+    tiles = tl.cdiv(n_groups, G)
+    xd_row = xd_ptr + t * (tiles * (512 * G))
+    xs_row = xs_ptr + t * n_groups
     acc_a = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    groups = K // 32 // SPLIT_K
-    for g0 in range(pid_k * groups, (pid_k + 1) * groups, CHUNK):  # CHUNK groups: 16 * CHUNK bytes of each row
-        for c in tl.static_range(CHUNK):
-            xt = _x_tile(xq_row, g0 + c, INTERPRET)
-            xs = tl.load(xs_row + g0 + c)
-            acc_a += _group_dot(wa, sa, g0 + c, xt, xs, n_ok, INTERPRET)
-            acc_b += _group_dot(wb, sb, g0 + c, xt, xs, n_ok, INTERPRET)
-    col = tl.arange(0, 16)[None, :]
-    a = tl.sum(tl.where(col == 0, acc_a, 0.0), axis=1)
-    b = tl.sum(tl.where(col == 0, acc_b, 0.0), axis=1)
+    per = tiles // SPLIT_K
+    for tau in range(pid_k * per, (pid_k + 1) * per):
+        acc_a += _tile_dot(wa, sa, xd_row, xs_row, tau, n_groups, n_ok, G, EVEN, INTERPRET)
+        acc_b += _tile_dot(wb, sb, xd_row, xs_row, tau, n_groups, n_ok, G, EVEN, INTERPRET)
+    a = tl.sum(acc_a, axis=1)
+    b = tl.sum(acc_b, axis=1)
     last = True
     if SPLIT_K > 1:  # K in SPLIT_K parts: the tile's last program sums the fp32 partials in part order
         part = part_ptr + p * SPLIT_K * 2 * I + offs_n
@@ -223,34 +228,35 @@ def _up_kernel(xq_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hq_ptr, hs_ptr, part_ptr, 
         a = tl.minimum(a, limit)
         b = tl.minimum(tl.maximum(b, -limit), limit)
         h = a / (1.0 + tl.exp(-a)) * b
-        G: tl.constexpr = BLOCK_N // 32
-        q, scale = _mxfp8_quant(tl.reshape(h, (G, 32)), floor, INTERPRET)
-        gs = pid_n * G + tl.arange(0, G)
-        _store_codes(hq_ptr + p * (I + SLACK), hs_ptr + p * (I // 32), gs, gs < I // 32, q, scale)
+        NG: tl.constexpr = BLOCK_N // 32
+        q, scale = _mxfp8_quant(tl.reshape(h, (NG, 32)), floor, INTERPRET)
+        gs = pid_n * NG + tl.arange(0, NG)
+        _store_diag(hd_ptr + p * (tl.cdiv(I // 32, H_G) * (512 * H_G)), hs_ptr + p * (I // 32), gs, gs < I // 32, q,
+                    scale, H_G)
 
 
 @triton.jit
-def _down_kernel(hq_ptr, hs_ptr, w_ptr, s_ptr, idx_ptr, wts_ptr, out_ptr, part_ptr, lock_ptr,
+def _down_kernel(hd_ptr, hs_ptr, w_ptr, s_ptr, idx_ptr, wts_ptr, out_ptr, part_ptr, lock_ptr,
                  H, I, stride_we, stride_wn, stride_se, stride_sn,
-                 BLOCK_N: tl.constexpr, K_SLOTS: tl.constexpr, CHUNK: tl.constexpr, THREADS: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+                 BLOCK_N: tl.constexpr, K_SLOTS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
+                 THREADS: tl.constexpr, INTERPRET: tl.constexpr):
     pid_n = tl.program_id(0)
     j = tl.program_id(1)
     t = tl.program_id(2)
     p = t * K_SLOTS + j
-    SLACK: tl.constexpr = 480
     e = tl.load(idx_ptr + p).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < H
     w_rows = w_ptr + e * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
+    n_groups = I // 32
+    tiles = tl.cdiv(n_groups, G)
+    hd_row = hd_ptr + p * (tiles * (512 * G))
+    hs_row = hs_ptr + p * n_groups
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
-    for g0 in range(0, I // 32, CHUNK):
-        for c in tl.static_range(CHUNK):
-            ht = _x_tile(hq_ptr + p * (I + SLACK), g0 + c, INTERPRET)
-            acc += _group_dot(w_rows, s_rows, g0 + c, ht, tl.load(hs_ptr + p * (I // 32) + g0 + c), n_ok, INTERPRET)
-    col = tl.arange(0, 16)[None, :]
-    y = tl.sum(tl.where(col == 0, acc, 0.0), axis=1) * tl.load(wts_ptr + p).to(tl.float32)
+    for tau in range(0, tiles):
+        acc += _tile_dot(w_rows, s_rows, hd_row, hs_row, tau, n_groups, n_ok, G, EVEN, INTERPRET)
+    y = tl.sum(acc, axis=1) * tl.load(wts_ptr + p).to(tl.float32)
     out = out_ptr + t * H + offs_n
     if K_SLOTS == 1:
         tl.store(out, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -289,22 +295,45 @@ def _bind() -> None:
 
 def plan(H: int, I: int) -> dict:
     """Launch parameters: 128 weight rows a program in both GEMMs (two 64-row MMAs of a warpgroup; whole 32-wide
-    groups of h), the first GEMM's K in two (its I / 128 tiles times the pairs fill the GPU), one scale group a K step,
-    4 warps, 4 stages of the weight stream in flight.  On an H100 (docs/benchmarks.md, session 26) unrolling 2-8
-    groups a step made the first GEMM slower (80-94 µs against ~65 at T=1) and the second no faster.  Built for sm_90,
-    a 128-row step of the first GEMM runs ~260 instructions a thread for 4 KB of weights (tests/ops/test_moe_gemv.py)."""
+    groups of h), 8 scale groups a K step (128 contiguous bytes of each row, a [128, 256] x [256, 16] MMA), the first
+    GEMM's K in two where its tiles split evenly (its I / 128 tiles times the pairs then fill the GPU), 4 warps, 3
+    stages of the weight stream in flight.  Figures: docs/benchmarks.md, session 26."""
     block = 128 if H % 128 == 0 and I % 128 == 0 else 64 if I % 64 == 0 else 32
-    split = 2 if (H // 32) % 2 == 0 else 1
-    return dict(UP_BLOCK_N=block, DOWN_BLOCK_N=block, UP_SPLIT_K=split, CHUNK=1, num_warps=4, num_stages=4)
+    up_tiles = -(-(H // 32) // 8)
+    split = 2 if up_tiles % 2 == 0 else 1
+    return dict(UP_BLOCK_N=block, DOWN_BLOCK_N=block, UP_SPLIT_K=split, UP_G=8, DOWN_G=8, num_warps=4, num_stages=3)
 
 
-def _chunk(groups: int, most: int) -> int:
-    """Scale groups a K step of the GEMMs takes (unrolled): the largest power of two up to ``most`` that divides
-    ``groups``.  Eight groups read 128 contiguous bytes of each weight row a step (whole cache lines)."""
-    c = 1
-    while c * 2 <= most and groups % (c * 2) == 0:
-        c *= 2
-    return c
+def diag_row_bytes(groups: int, g: int) -> int:
+    """Bytes of one row's diagonal layout (:func:`_store_diag`): its groups padded to whole tiles of g, 512 a group."""
+    return -(-groups // g) * 512 * g
+
+
+_DIAG: dict[tuple, torch.Tensor] = {}
+
+
+def _diag(device: torch.device, name: str, rows: int, groups: int, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed [rows, diag_row_bytes(groups, g)] diagonal-layout buffer of ``device``, kept between launches: the
+    kernels write only the diagonal's bytes, so the zeros around them stay.  One per device and use, not per stream
+    (a buffer made inside a graph capture would be the graph's): two launches on two streams at once would share it;
+    the model runs the routed experts on its main stream only and reserves the buffers at load (:func:`reserve`)."""
+    key = (device.type, device.index, name, groups, g, dtype)
+    buf = _DIAG.get(key)
+    if buf is None or buf.shape[0] < rows:
+        buf = torch.zeros(max(rows, 1), diag_row_bytes(groups, g), dtype=dtype, device=device)
+        _DIAG[key] = buf
+    return buf[:rows]
+
+
+def reserve(device: torch.device, H: int, I: int, k: int, rows: int = MAX_TOKENS) -> None:
+    """Allocate the counters and the diagonal buffers of ``device``'s current stream for up to ``rows`` tokens now (the
+    model calls this at load, so that no graph capture allocates them)."""
+    if device.type != "cuda":
+        return
+    p = plan(H, I)
+    fp8_gemv.reserve(device)
+    _diag(device, "x", rows, H // 32, p["UP_G"], torch.float8_e4m3fn)
+    _diag(device, "h", rows * k, I // 32, p["DOWN_G"], torch.float8_e4m3fn)
 
 
 def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor,
@@ -318,39 +347,38 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     _bind()
     interp = interpreting()
     p = {**plan(H, I), **(config or {})}
+    ug, dg, bn, split = p["UP_G"], p["DOWN_G"], p["UP_BLOCK_N"], p["UP_SPLIT_K"]
+    if not (1 <= ug <= 16 and 1 <= dg <= 16) or -(-(H // 32) // ug) % split or bn % 32 or p["DOWN_BLOCK_N"] % 32:
+        raise ValueError(f"moe_gemv: config {p}: UP_G and DOWN_G must lie in 1..16, UP_SPLIT_K divide the "
+                         f"{-(-(H // 32) // ug)} K tiles of x, the BLOCK_Ns be multiples of 32")
     dev = x.device
     code = torch.uint8 if interp else torch.float8_e4m3fn
-    # the codes of each row, then 15 groups of slack (read into the MMA tiles' discarded columns, never written)
-    xq = torch.empty(T, H + 480, dtype=code, device=dev)
+    xd = _diag(dev, "x", T, H // 32, ug, code)
     xs = torch.empty(T, H // 32, dtype=torch.float32, device=dev)
-    hq = torch.empty(T * k, I + 480, dtype=code, device=dev)
+    hd = _diag(dev, "h", T * k, I // 32, dg, code)
     hs = torch.empty(T * k, I // 32, dtype=torch.float32, device=dev)
     w13, s13, w2, s2 = (t.contiguous().view(torch.uint8) for t in (w13, s13, w2, s2))
     ids = idx.reshape(-1).to(torch.int32).contiguous()
     floor = formats.MXFP8_AMAX_FLOOR
     x = x.contiguous()
-    _mxfp8_rows_kernel[(T, -(-(H // 32) // 8))](x, xq, xs, H, x.stride(0), floor, BLOCK_G=8, INTERPRET=interp,
+    warps, stages = p["num_warps"], p["num_stages"]
+    _mxfp8_rows_kernel[(T, -(-(H // 32) // 8))](x, xd, xs, H, x.stride(0), floor, BLOCK_G=8, G=ug, INTERPRET=interp,
                                                 num_warps=1)
-    bn, split = p["UP_BLOCK_N"], p["UP_SPLIT_K"]
-    if (H // 32) % split or bn % 32:
-        raise ValueError(f"moe_gemv: UP_SPLIT_K {split} must divide the {H // 32} groups of x, BLOCK_N {bn} be a multiple "
-                         f"of 32")
     tiles = -(-I // bn)
     part = torch.empty(T * k, split, 2, I, dtype=torch.float32, device=dev) if split > 1 else xs
     locks = fp8_gemv._locks(dev, T * k * tiles) if split > 1 else xs
-    _up_kernel[(tiles, split, T * k)](xq, xs, w13, s13, ids, hq, hs, part, locks, H, I, k, w13.stride(0),
+    _up_kernel[(tiles, split, T * k)](xd, xs, w13, s13, ids, hd, hs, part, locks, H, I, k, w13.stride(0),
                                       w13.stride(1), s13.stride(0), s13.stride(1), limit, floor, BLOCK_N=bn,
-                                      SPLIT_K=split, CHUNK=_chunk(H // 32 // split, p["CHUNK"]),
-                                      THREADS=32 * p["num_warps"], INTERPRET=interp,
-                                      num_warps=p["num_warps"], num_stages=p["num_stages"])
+                                      SPLIT_K=split, G=ug, H_G=dg, EVEN=(H // 32) % ug == 0, THREADS=32 * warps,
+                                      INTERPRET=interp, num_warps=warps, num_stages=stages)
     bn = p["DOWN_BLOCK_N"]
     tiles = -(-H // bn)
     part = torch.empty(T, k, H, dtype=torch.float32, device=dev) if k > 1 else out
     locks = fp8_gemv._locks(dev, T * tiles) if k > 1 else out
-    _down_kernel[(tiles, k, T)](hq, hs, w2, s2, ids, wts.reshape(-1).float().contiguous(), out, part, locks, H, I,
-                                w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), BLOCK_N=bn, K_SLOTS=k,
-                                CHUNK=_chunk(I // 32, p["CHUNK"]), THREADS=32 * p["num_warps"], INTERPRET=interp, num_warps=p["num_warps"],
-                                num_stages=p["num_stages"])
+    _down_kernel[(tiles, k, T)](hd, hs, w2, s2, ids, wts.reshape(-1).float().contiguous(), out, part, locks, H, I,
+                                w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), BLOCK_N=bn, K_SLOTS=k, G=dg,
+                                EVEN=(I // 32) % dg == 0, THREADS=32 * warps, INTERPRET=interp, num_warps=warps,
+                                num_stages=stages)
     return out
 
 
