@@ -59,6 +59,8 @@ def main() -> None:
     per_expert = (w13[0].numel() + s13[0].numel() + w2[0].numel() + s2[0].numel())
     try:
         from vllm_dsv41.model_executor import linear
+
+        linear._require_matmul_ogs()  # registers vLLM's vendored triton_kernels under that name
         from vllm.model_executor.layers.quantization.utils.mxfp4_utils import _swizzle_mxfp4, mx_scale_kwargs
         from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
 
