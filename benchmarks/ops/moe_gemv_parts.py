@@ -1,10 +1,11 @@
-"""Per-launch times of dsv41::moe_gemv's three kernels at the bench shapes (CUDA events over 100 ms of replays of a
-graph of 8 launches each) for the plan and a few configs: ``python3 benchmarks/ops/moe_gemv_parts.py [T]``."""
+"""Per-launch times of dsv41::moe_gemv's three kernels at the bench shapes (``bench_moe_gemv.graph_time``: a graph of 8
+launches, median replay time / 8) for the plan and a few configs: ``python3 benchmarks/ops/moe_gemv_parts.py [T]``."""
 import sys
 
 import torch
 
 from _common import open_gpu
+from bench_moe_gemv import graph_time
 
 triton = open_gpu("moe_gemv_parts")
 if triton is None:
@@ -29,15 +30,7 @@ f8 = torch.float8_e4m3fn
 
 
 def timed(name, fn):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(8):
-            fn()
-    us = triton.testing.do_bench(g.replay, warmup=20, rep=100, return_mode="median") * 1e3 / 8
-    print(f"T={T} {name}: {us:.1f} us", flush=True)
-
+    print(f"T={T} {name}: {graph_time(triton, [fn] * 8):.1f} us", flush=True)
 
 for G in (8, 16):
     xd = mg._diag(x.device, "x", T, H // 32, G, f8)

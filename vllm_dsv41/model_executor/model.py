@@ -717,13 +717,12 @@ class MoE(nn.Module):
                 self.mxfp4 = mxfp4_expert_stack(self.experts)
             if self.gemv_rows:
                 from vllm_dsv41.model_executor.overlap import side_streams
-                from vllm_dsv41.ops import fp8_gemv, moe_gemv
+                from vllm_dsv41.ops import moe_gemv
 
                 # moe_gemv's split counters (fp8_gemv's, per stream) and diagonal buffers exist before any graph is
                 # captured
                 dev = self.gate.weight.device
-                fp8_gemv.reserve(dev, side_streams(dev))
-                moe_gemv.reserve(dev, 2 * half_hidden, inter, self.k, self.gemv_rows)
+                moe_gemv.reserve(dev, 2 * half_hidden, inter, self.k, self.gemv_rows, side_streams(dev))
             if self.fp8_from:
                 self.fp8_rows = fp8_row_exponents(self.mxfp4)
             if backend == "marlin":

@@ -136,6 +136,12 @@ def _tile_dot(w_rows, s_rows, xd_row, xs_row, tau, n_groups, n_ok, G: tl.constex
 
 
 @triton.jit
+def _diag_row(codes_ptr, r, n_groups, G: tl.constexpr):
+    """Row r of a diagonal-layout buffer (:func:`diag_row_bytes` bytes a row: n_groups padded to whole tiles of G)."""
+    return codes_ptr + r * (tl.cdiv(n_groups, G) * (512 * G))
+
+
+@triton.jit
 def _store_diag(codes_row, s_row, gs, ok, q, scale, G: tl.constexpr):
     """Groups ``gs`` [n] of one row into its diagonal layout: tile gs // G is the MMA's [32 * G, 16] operand, K-major
     (16 columns of 32 * G bytes), whose column c = gs % G holds group gs's 16 even inputs at K 16c.. and its 16 odd
@@ -174,7 +180,7 @@ def _mxfp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, floor, BLOCK_G: tl.cons
     v = tl.load(x_ptr + t * stride_x + gs[:, None] * 32 + tl.arange(0, 32)[None, :], mask=ok[:, None],
                 other=0.0).to(tl.float32)
     q, scale = _mxfp8_quant(v, floor, INTERPRET)
-    _store_diag(q_ptr + t * (tl.cdiv(K // 32, G) * (512 * G)), s_ptr + t * (K // 32), gs, ok, q, scale, G)
+    _store_diag(_diag_row(q_ptr, t, K // 32, G), s_ptr + t * (K // 32), gs, ok, q, scale, G)
 
 
 @triton.jit
@@ -195,7 +201,7 @@ def _up_kernel(xd_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hd_ptr, hs_ptr, part_ptr, 
     sb = sa + I * stride_sn
     n_groups = K // 32
     tiles = tl.cdiv(n_groups, G)
-    xd_row = xd_ptr + t * (tiles * (512 * G))
+    xd_row = _diag_row(xd_ptr, t, n_groups, G)
     xs_row = xs_ptr + t * n_groups
     acc_a = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
@@ -231,8 +237,7 @@ def _up_kernel(xd_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hd_ptr, hs_ptr, part_ptr, 
         NG: tl.constexpr = BLOCK_N // 32
         q, scale = _mxfp8_quant(tl.reshape(h, (NG, 32)), floor, INTERPRET)
         gs = pid_n * NG + tl.arange(0, NG)
-        _store_diag(hd_ptr + p * (tl.cdiv(I // 32, H_G) * (512 * H_G)), hs_ptr + p * (I // 32), gs, gs < I // 32, q,
-                    scale, H_G)
+        _store_diag(_diag_row(hd_ptr, p, I // 32, H_G), hs_ptr + p * (I // 32), gs, gs < I // 32, q, scale, H_G)
 
 
 @triton.jit
@@ -251,7 +256,7 @@ def _down_kernel(hd_ptr, hs_ptr, w_ptr, s_ptr, idx_ptr, wts_ptr, out_ptr, part_p
     s_rows = s_ptr + e * stride_se + offs_n.to(tl.int64) * stride_sn
     n_groups = I // 32
     tiles = tl.cdiv(n_groups, G)
-    hd_row = hd_ptr + p * (tiles * (512 * G))
+    hd_row = _diag_row(hd_ptr, p, n_groups, G)
     hs_row = hs_ptr + p * n_groups
     acc = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     for tau in range(0, tiles):
@@ -299,14 +304,18 @@ def plan(H: int, I: int) -> dict:
     GEMM's K in two where its tiles split evenly (its I / 128 tiles times the pairs then fill the GPU), 4 warps, 3
     stages of the weight stream in flight.  Figures: docs/benchmarks.md, session 26."""
     block = 128 if H % 128 == 0 and I % 128 == 0 else 64 if I % 64 == 0 else 32
-    up_tiles = -(-(H // 32) // 8)
-    split = 2 if up_tiles % 2 == 0 else 1
+    split = 2 if diag_tiles(H // 32, 8) % 2 == 0 else 1
     return dict(UP_BLOCK_N=block, DOWN_BLOCK_N=block, UP_SPLIT_K=split, UP_G=8, DOWN_G=8, num_warps=4, num_stages=3)
+
+
+def diag_tiles(groups: int, g: int) -> int:
+    """K steps over ``groups`` scale groups, g a step (the last one ragged when g does not divide them)."""
+    return -(-groups // g)
 
 
 def diag_row_bytes(groups: int, g: int) -> int:
     """Bytes of one row's diagonal layout (:func:`_store_diag`): its groups padded to whole tiles of g, 512 a group."""
-    return -(-groups // g) * 512 * g
+    return diag_tiles(groups, g) * 512 * g
 
 
 _DIAG: dict[tuple, torch.Tensor] = {}
@@ -325,13 +334,13 @@ def _diag(device: torch.device, name: str, rows: int, groups: int, g: int, dtype
     return buf[:rows]
 
 
-def reserve(device: torch.device, H: int, I: int, k: int, rows: int = MAX_TOKENS) -> None:
-    """Allocate the counters and the diagonal buffers of ``device``'s current stream for up to ``rows`` tokens now (the
-    model calls this at load, so that no graph capture allocates them)."""
+def reserve(device: torch.device, H: int, I: int, k: int, rows: int = MAX_TOKENS, streams: tuple = ()) -> None:
+    """Allocate the split counters (``fp8_gemv``'s, of ``device``'s current stream and of ``streams``) and the diagonal
+    buffers for up to ``rows`` tokens now (the model calls this at load, so that no graph capture allocates them)."""
     if device.type != "cuda":
         return
     p = plan(H, I)
-    fp8_gemv.reserve(device)
+    fp8_gemv.reserve(device, streams)
     _diag(device, "x", rows, H // 32, p["UP_G"], torch.float8_e4m3fn)
     _diag(device, "h", rows * k, I // 32, p["DOWN_G"], torch.float8_e4m3fn)
 
@@ -348,9 +357,10 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     interp = interpreting()
     p = {**plan(H, I), **(config or {})}
     ug, dg, bn, split = p["UP_G"], p["DOWN_G"], p["UP_BLOCK_N"], p["UP_SPLIT_K"]
-    if not (1 <= ug <= 16 and 1 <= dg <= 16) or -(-(H // 32) // ug) % split or bn % 32 or p["DOWN_BLOCK_N"] % 32:
+    up_tiles = diag_tiles(H // 32, ug)
+    if not (1 <= ug <= 16 and 1 <= dg <= 16) or up_tiles % split or bn % 32 or p["DOWN_BLOCK_N"] % 32:
         raise ValueError(f"moe_gemv: config {p}: UP_G and DOWN_G must lie in 1..16, UP_SPLIT_K divide the "
-                         f"{-(-(H // 32) // ug)} K tiles of x, the BLOCK_Ns be multiples of 32")
+                         f"{up_tiles} K tiles of x, the BLOCK_Ns be multiples of 32")
     dev = x.device
     code = torch.uint8 if interp else torch.float8_e4m3fn
     xd = _diag(dev, "x", T, H // 32, ug, code)
