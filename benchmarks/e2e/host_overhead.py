@@ -1,7 +1,7 @@
 """The runner's host work outside the model forward, per decode step, on any machine (CPU included).
 
 At batch 1 a decode step on the H200 took 10.36 ms of GPU and 5.50 ms of host time (docs/benchmarks.md, session 21),
-so the host does not set the pace today; at the issue's 2x target (~4.5 ms a step) it would.  What the host does
+so the host does not set the pace today; at the issue's 2x target (~4.5 ms a step) it might.  What the host does
 outside the forward (vLLM's input preparation, our step metadata, the static step's padding and loads, sampling)
 does not depend on the width of the model, only on its layer layout (cache groups, KV sources) and the batch: this
 script serves a checkpoint of the ``tiny`` preset's widths on the ``full`` preset's 40-layer layout (written into

@@ -184,9 +184,10 @@ FIRST_STATIC_STEP_TOL = 0.25  # two bf16 steps at |logit| < 32
 FP32_STREAM_TOKEN_MISSES = 1  # prompts whose greedy tokens may differ on fp32 streams
 
 
-def _first_static_step_drift(eager: list[torch.Tensor], static: list[torch.Tensor]) -> float:
-    """The largest |logit difference| at step 1 (the first decode step, static in one run) over the prompts."""
-    return max((a[1] - b[1]).abs().max().item() for a, b in zip(eager, static))
+def _step_drift(eager: list[torch.Tensor], static: list[torch.Tensor], step: int) -> float:
+    """The largest |logit difference| at ``step`` over the prompts (0: the prefill, eager in both runs; 1: the first
+    decode step, static in one run)."""
+    return max((a[step] - b[step]).abs().max().item() for a, b in zip(eager, static))
 
 
 @pytest.mark.parametrize("gemm,streams", [("bf16", "fp32"), ("fp8", "fp32"), ("w8a8", "fp32"), ("w8a8", "auto"),
@@ -200,9 +201,9 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams)
     (a near-tie that the padded row count's ulps flip: see ``FIRST_STATIC_STEP_TOL``).
 
     The logit and token checks run on fp32 residual streams (``VLLM_DSV41_STREAMS=fp32``): with the default bf16
-    streams a padded step's different row count moves the CPU GEMMs' fp32 sums by an ulp, which rounding the stream to bf16
-    sometimes turns into a different stream value that this random model amplifies into another token (5 of 9 prompts
-    kept their tokens when tried).  The default (``auto``: bf16 on the fast path) is run too, for its layout, finite
+    streams a padded step's different row count moves the CPU GEMMs' fp32 sums by an ulp, which rounding the stream
+    to bf16 sometimes turns into a different stream value that this random model amplifies into another token (5 of
+    9 prompts kept their tokens when tried).  The default (``auto``: bf16 on the fast path) is run too, for its layout, finite
     logits, no host reads and an equal (eager) prefill step.  ``w8a8-triton``: ``VLLM_DSV41_SMALL_GEMM=triton``, the
     passes of at most 64 rows through ``dsv41::fp8_rows_gemm`` (the grouped ``wo_a`` too, on its FP8 rows), longer
     ones through the W8A8 path; ``w8a8-gemv``: ``VLLM_DSV41_SMALL_GEMM=gemv``, the passes of at most 16 rows (decode)
@@ -239,11 +240,11 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams)
         assert all(len(t) == 8 for t in tokens) and all(torch.isfinite(lg).all() for lg in logits)
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"
     same = sum(a == b for a, b in zip(*(r[0] for r in runs.values())))
-    worst = max((a[0] - b[0]).abs().max().item() for a, b in zip(runs["0"][1], runs["static"][1]))
+    worst = _step_drift(runs["0"][1], runs["static"][1], 0)
     print(f"emulated fast path: static vs eager decode: {same}/{len(prompts)} prompts' tokens equal, "
           f"step-0 |logit difference| {worst:.2e}")
     assert worst == 0.0  # step 0 is the prefill, eager in both runs
-    first = _first_static_step_drift(runs["0"][1], runs["static"][1])
+    first = _step_drift(runs["0"][1], runs["static"][1], 1)
     print(f"  first static step: |logit difference| {first:.2e}")
     if streams == "fp32":
         assert first <= FIRST_STATIC_STEP_TOL, f"the first static decode step moved a logit by {first:.3e}"
