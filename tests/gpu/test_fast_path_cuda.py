@@ -80,3 +80,55 @@ def test_fast_path_matches_dequantised(small_ckpt, monkeypatch):
     print(f"median rel err {sorted(errs)[len(errs) // 2]:.3e}, first tokens equal {same}/{len(prompts)}")
     assert all(torch.isfinite(a).all() for a in log_q)
     assert sorted(errs)[len(errs) // 2] < 0.6
+
+
+def _run_one_by_one(ckpt, prompts, weights: str, gemv_rows: str, monkeypatch):
+    """Each prompt alone (every forward one token after a one-token prompt's prefill), ``VLLM_DSV41_MOE_GEMV_ROWS``
+    set: (tokens, logits of every step, the MoE layers' gemv_rows)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from tests.e2e.conftest import engine
+    from tests.e2e.test_engine_vs_reference import _vocab_logits
+
+    monkeypatch.setenv("VLLM_DSV41_WEIGHTS", weights)
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "1")
+    monkeypatch.setenv("VLLM_DSV41_MOE_GEMV_ROWS", gemv_rows)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1)
+    with engine(ckpt, exact=True, dtype="bfloat16", logprobs_mode="raw_logits", max_logprobs=-1,
+                kv_cache_memory_bytes=1 << 30) as llm:
+        outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in prompts]
+        rows = llm.apply_model(lambda m: sorted({getattr(layer.ffn, "gemv_rows", 0) for layer in m.model.layers}))[0]
+    return [list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], rows
+
+
+def test_moe_gemv_route_batch_one(small_ckpt, monkeypatch):
+    """The one-token route (dsv41::moe_gemv, on by default) end to end: one-token prompts and a 40-token prompt's
+    decode steps, each prompt alone, against the same engine with the route off (matmul_ogs / Marlin) and against
+    the dequantised path.  The route must be taken (its logits differ from the route-off run's), finite, and as
+    close to the dequantised logits as the route-off run is, up to the MXFP8 activations' rounding (bound below)."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [[0], [7], [311], [0] + torch.randint(3, 990, (39,), generator=g).tolist()]
+    tok_on, log_on, rows_on = _run_one_by_one(small_ckpt, prompts, "quant", "1", monkeypatch)
+    tok_off, log_off, rows_off = _run_one_by_one(small_ckpt, prompts, "quant", "0", monkeypatch)
+    tok_d, log_d, _ = _run_one_by_one(small_ckpt, prompts, "dequant", "0", monkeypatch)
+    assert rows_on == [1] and rows_off == [0], (rows_on, rows_off)
+    err_on, err_off, moved = [], [], 0
+    for k, p in enumerate(prompts):
+        assert torch.isfinite(log_on[k].nan_to_num(nan=0.0)).all(), f"prompt {k}: non-finite logits on the route"
+        # the first one-token forward: a one-token prompt's prefill, the long prompt's first decode step (its
+        # prefill is route-free, so both runs decode it from the same context)
+        s = 0 if len(p) == 1 else 1
+        n = min(log_on[k].shape[1], log_off[k].shape[1], log_d[k].shape[1])
+        on, off = log_on[k][s, :n], log_off[k][s, :n]
+        moved += not torch.equal(on, off)
+        line = f"prompt of {len(p):2d}, step {s}: route-on vs off max |diff| {(on - off).abs().nan_to_num().max():.3e}"
+        if s == 0:  # the dequantised run has the same context at step 0
+            d = log_d[k][0, :n]
+            err_on.append(((on - d).norm() / d.norm()).item())
+            err_off.append(((off - d).norm() / d.norm()).item())
+            line += f"; rel err vs dequantised: route {err_on[-1]:.3e}, off {err_off[-1]:.3e}"
+        print(f"{line}; tokens route {tok_on[k]} off {tok_off[k]} dequant {tok_d[k]}")
+    assert moved == len(prompts), f"the route left {len(prompts) - moved} prompts' logits bit-equal to the route-off run"
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    assert med(err_on) < 0.6 and med(err_on) < 1.5 * med(err_off) + 0.05, (err_on, err_off)

@@ -234,15 +234,17 @@ def moe_bf16_from(backend: str = "marlin") -> int:
     return env_count(MOE_BF16_FROM_ENV, 0 if backend == "ogs" else 2048, "a token count >= 0 (0: never)")
 
 
-DEFAULT_MOE_GEMV_ROWS = 0
-"""Default of ``VLLM_DSV41_MOE_GEMV_ROWS``: off until ``dsv41::moe_gemv`` is measured faster than ``matmul_ogs`` end to
-end (docs/benchmarks.md)."""
+DEFAULT_MOE_GEMV_ROWS = 1
+"""Default of ``VLLM_DSV41_MOE_GEMV_ROWS``: one-token passes (batch-1 decode).  On an H100 the op took 64.1 µs a layer
+against ``matmul_ogs``' 79.0 (routing included) and a batch-1 decode step 9.77 ms against 10.77; it reads each token's
+experts apart (no sort), so 2 or 4 tokens read up to 2 or 4 times the bytes and larger passes keep ``matmul_ogs``
+(docs/benchmarks.md, sessions 26 and 28)."""
 
 
 def moe_gemv_rows() -> int:
     """``VLLM_DSV41_MOE_GEMV_ROWS``: forward passes of at most this many tokens run the routed experts through
     ``dsv41::moe_gemv`` (the few-token MXFP4 kernels on MXFP8 activations, no sort by expert; also inside captured
-    decode steps); 0 (default, :data:`DEFAULT_MOE_GEMV_ROWS`) turns that off; at most ``moe_gemv.MAX_TOKENS``."""
+    decode steps); 0 turns that off (default :data:`DEFAULT_MOE_GEMV_ROWS`); at most ``moe_gemv.MAX_TOKENS``."""
     from vllm_dsv41.ops import env_rows, moe_gemv
 
     n = env_rows(MOE_GEMV_ROWS_ENV, DEFAULT_MOE_GEMV_ROWS)
