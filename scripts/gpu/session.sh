@@ -26,6 +26,8 @@
 #   scripts/gpu/session.sh gemv_e2e        # the fast path end to end with VLLM_DSV41_SMALL_GEMM=gemv (small checkpoint)
 #   scripts/gpu/session.sh moe_gemv        # dsv41::moe_gemv (few-token MXFP4 experts): CUDA tests, graph-replayed times at
 #                                          # 1, 2, 4 tokens against matmul_ogs (with vLLM) and moe_mxfp4
+#   scripts/gpu/session.sh route           # the one-token moe_gemv route (default on): its CUDA tests, the fast path end to
+#                                          # end with the route's batch-1 test (route on / off / dequantised)
 #   scripts/gpu/session.sh quick           # tiny checkpoint vs CPU reference (ops path), the fast path end to end, cutlass_moe
 #   scripts/gpu/session.sh cutlass_moe     # the prefill experts' FP8 GEMMs on CUTLASS: CUDA tests, kernel times
 #   VARIANTS="a: b:ENV=1" scripts/gpu/session.sh variants [ARGS]   # a workload's timeline under each setting
@@ -220,6 +222,14 @@ case "${1:-}" in
     grep -E "passed|failed|FAILED|Error" "$OUT/moe-gemv-tests.log" | tail -12
     timeout 300 python3 benchmarks/ops/bench_moe_gemv.py --rows 1 2 4 > "$OUT/bench-moe-gemv.log" 2>&1
     grep -v Warning "$OUT/bench-moe-gemv.log" | cut -c1-200 | tail -50 ;;
+  route)
+    # the one-token moe_gemv route (on by default): the op's CUDA tests, then the fast path end to end, the route's
+    # batch-1 test included (route on / off / dequantised)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/ops/test_moe_gemv.py > "$OUT/moe-gemv-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/moe-gemv-tests.log" | tail -8
+    timeout 330 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_fast_path_cuda.py \
+      > "$OUT/route-tests.log" 2>&1
+    grep -E "passed|failed|error|Error|rel err|route|median" "$OUT/route-tests.log" | cut -c1-260 | tail -24 ;;
   quick)
     # a short device window's acceptance check: the tiny checkpoint on the ops path against the CPU reference, the fast
     # path end to end (small checkpoint) on the current defaults, then `cutlass_moe`'s CUDA tests and kernel times
