@@ -241,13 +241,15 @@ experts apart (no sort), so 2 or 4 tokens read up to 2 or 4 times the bytes and 
 (docs/benchmarks.md, sessions 26 and 28)."""
 
 
-def moe_gemv_rows() -> int:
+def moe_gemv_rows(device: torch.device) -> int:
     """``VLLM_DSV41_MOE_GEMV_ROWS``: forward passes of at most this many tokens run the routed experts through
     ``dsv41::moe_gemv`` (the few-token MXFP4 kernels on MXFP8 activations, no sort by expert; also inside captured
-    decode steps); 0 turns that off (default :data:`DEFAULT_MOE_GEMV_ROWS`); at most ``moe_gemv.MAX_TOKENS``."""
+    decode steps); 0 turns that off.  Default :data:`DEFAULT_MOE_GEMV_ROWS` on GPUs with FP8 tensor cores
+    (:func:`w8a8_supported`: the op's MMAs are FP8), else 0; at most ``moe_gemv.MAX_TOKENS``."""
     from vllm_dsv41.ops import env_rows, moe_gemv
 
-    n = env_rows(MOE_GEMV_ROWS_ENV, DEFAULT_MOE_GEMV_ROWS)
+    default = DEFAULT_MOE_GEMV_ROWS if device.type != "cuda" or w8a8_supported(device) else 0
+    n = env_rows(MOE_GEMV_ROWS_ENV, default)
     if n > moe_gemv.MAX_TOKENS:
         raise ValueError(f"{MOE_GEMV_ROWS_ENV}={n}: moe_gemv serves at most {moe_gemv.MAX_TOKENS} tokens")
     return n

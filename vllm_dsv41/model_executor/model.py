@@ -709,7 +709,7 @@ class MoE(nn.Module):
                 return
             self.bf16_from = moe_bf16_from(backend)
             self.fp8_from = moe_fp8_from(self.gate.weight.device)
-            self.gemv_rows = moe_gemv_rows()
+            self.gemv_rows = moe_gemv_rows(self.gate.weight.device)
             log_moe_choice(backend, self.bf16_from, self.fp8_from, self.gemv_rows)
             if backend == "ogs":  # first: a missing triton_kernels fails the engine start before other work
                 self.ogs = ogs_expert_stack(self.experts)
