@@ -306,6 +306,7 @@ def test_moe_takes_the_ogs_path_in_and_out_of_static_steps(monkeypatch):
     monkeypatch.setenv(linear.MOE_ENV, "ogs")
     monkeypatch.setenv(linear.MOE_BF16_FROM_ENV, "0")
     monkeypatch.setenv(linear.MOE_FP8_FROM_ENV, "0")
+    monkeypatch.setenv(linear.MOE_GEMV_ROWS_ENV, "0")  # the one-token route off (its own test below)
     monkeypatch.setattr(m, "ogs_expert_stack", linear.mxfp4_expert_stack)
     calls = []
     monkeypatch.setattr(m, "ogs_moe", _recording_reference(calls))
@@ -315,6 +316,60 @@ def test_moe_takes_the_ogs_path_in_and_out_of_static_steps(monkeypatch):
     _assert_expert_loop(m, moe, experts, 3)
     _assert_expert_loop(m, moe, experts, 4, static=True)
     assert calls == [3, 4]
+
+
+def test_moe_gemv_rows_env(monkeypatch):
+    monkeypatch.delenv(linear.MOE_GEMV_ROWS_ENV, raising=False)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert linear.moe_gemv_rows(cpu) == linear.DEFAULT_MOE_GEMV_ROWS == 1
+    monkeypatch.setattr(linear, "w8a8_supported", lambda d: False)  # no FP8 tensor cores (the op's MMAs): off
+    assert linear.moe_gemv_rows(gpu) == 0
+    monkeypatch.setenv(linear.MOE_GEMV_ROWS_ENV, "4")
+    assert linear.moe_gemv_rows(gpu) == 4
+    for bad, msg in (("17", "VLLM_DSV41_MOE_GEMV_ROWS=17: moe_gemv serves at most 16 tokens"),
+                     ("-1", "VLLM_DSV41_MOE_GEMV_ROWS='-1'"), ("one", "VLLM_DSV41_MOE_GEMV_ROWS='one'")):
+        monkeypatch.setenv(linear.MOE_GEMV_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=msg):
+            linear.moe_gemv_rows(cpu)
+
+
+def test_moe_one_token_route_by_default(monkeypatch):
+    """Defaults on the fast device (seams patched, ogs backend): ``finalize`` keeps the MXFP4 stack beside the ogs one
+    and reserves moe_gemv's buffers; a one-token forward (bf16 into the experts), inside a static decode step or not, runs
+    ``dsv41::moe_gemv`` on the stack (its output is the layer's, bit for bit), two tokens run ``ogs_moe``."""
+    import types
+
+    from vllm_dsv41.model_executor import graphs
+    from vllm_dsv41.model_executor import model as m
+    from vllm_dsv41.ops import moe_gemv
+
+    monkeypatch.setattr(m, "on_fast_device", lambda t: True)
+    monkeypatch.setenv(linear.MOE_ENV, "ogs")
+    for env in (linear.MOE_GEMV_ROWS_ENV, linear.MOE_BF16_FROM_ENV):
+        monkeypatch.delenv(env, raising=False)
+    monkeypatch.setenv(linear.MOE_FP8_FROM_ENV, "0")  # so the MXFP4 stack is the route's doing
+    monkeypatch.setattr(m, "ogs_expert_stack", linear.mxfp4_expert_stack)
+    ogs_calls, gemv_calls, reserved = [], [], []
+    monkeypatch.setattr(m, "ogs_moe", _recording_reference(ogs_calls))
+    real = m._ops()
+
+    def gemv(x, *args):
+        gemv_calls.append(x.shape[0])
+        return real.moe_gemv(x, *args)
+    monkeypatch.setattr(m, "_ops", lambda: types.SimpleNamespace(moe_gemv=gemv, router=real.router))
+    monkeypatch.setattr(moe_gemv, "reserve", lambda dev, H, I, k, rows, streams: reserved.append((H, I, k, rows)))
+    moe, _ = _cpu_moe(m)
+    moe.act_dtype = torch.bfloat16
+    moe.finalize()
+    assert moe.gemv_rows == 1 and moe.ogs is not None and moe.mxfp4 is not None and reserved == [(64, 64, 2, 1)]
+    for T, static in ((1, False), (1, True), (2, False), (2, True)):
+        x = torch.randn(T, 64, generator=torch.Generator().manual_seed(T))  # fp32 streams; the experts read bf16
+        with graphs._static_step() if static else contextlib.nullcontext():
+            got = moe(x)
+        if T == 1:
+            idx, wts = m.route(x, moe.gate.weight, moe.gate.bias, moe.k, 1.0)
+            assert torch.equal(got, real.moe_gemv(x.bfloat16(), *moe.mxfp4, idx, wts, 2.0))
+    assert gemv_calls == [1, 1] and ogs_calls == [2, 2]
 
 
 def test_moe_fp8_from_env(monkeypatch):
