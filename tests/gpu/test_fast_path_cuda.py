@@ -19,6 +19,8 @@ unrelated logits give about 1.4), printing each prompt's error and tokens.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -41,18 +43,29 @@ def small_ckpt(tmp_path_factory) -> str:
     return str(out)
 
 
-def _run(ckpt, prompts, weights: str, monkeypatch):
+@contextlib.contextmanager
+def _fast_engine(ckpt, weights: str, monkeypatch, **env: str):
+    """The small checkpoint's engine on ``weights`` (quant / dequant), decode graphs on, ``env`` set; yields
+    (llm, greedy sampling params with every step's raw logits)."""
     from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
 
     from tests.e2e.conftest import engine
-    from tests.e2e.test_engine_vs_reference import _vocab_logits
 
     monkeypatch.setenv("VLLM_DSV41_WEIGHTS", weights)
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "1")  # the test engine asks for enforce_eager, which leaves `auto` off
-    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
     with engine(ckpt, exact=True, dtype="bfloat16", logprobs_mode="raw_logits", max_logprobs=-1,
                 kv_cache_memory_bytes=1 << 30) as llm:
+        yield llm, SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1)
+
+
+def _run(ckpt, prompts, weights: str, monkeypatch):
+    from vllm.inputs import TokensPrompt
+
+    from tests.e2e.test_engine_vs_reference import _vocab_logits
+
+    with _fast_engine(ckpt, weights, monkeypatch) as (llm, sp):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         info = llm.apply_model(lambda m: (m.weights.quant, m.weights.cuda_fast,
                                           None if m._graphs is None else (m._graphs.failed, len(m._graphs.entries))))[0]
@@ -85,18 +98,11 @@ def test_fast_path_matches_dequantised(small_ckpt, monkeypatch):
 def _run_one_by_one(ckpt, prompts, weights: str, gemv_rows: str, monkeypatch):
     """Each prompt alone (every forward one token after a one-token prompt's prefill), ``VLLM_DSV41_MOE_GEMV_ROWS``
     set: (tokens, logits of every step, the MoE layers' gemv_rows)."""
-    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from tests.e2e.conftest import engine
     from tests.e2e.test_engine_vs_reference import _vocab_logits
 
-    monkeypatch.setenv("VLLM_DSV41_WEIGHTS", weights)
-    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "1")
-    monkeypatch.setenv("VLLM_DSV41_MOE_GEMV_ROWS", gemv_rows)
-    sp = SamplingParams(temperature=0.0, max_tokens=6, logprobs=-1)
-    with engine(ckpt, exact=True, dtype="bfloat16", logprobs_mode="raw_logits", max_logprobs=-1,
-                kv_cache_memory_bytes=1 << 30) as llm:
+    with _fast_engine(ckpt, weights, monkeypatch, VLLM_DSV41_MOE_GEMV_ROWS=gemv_rows) as (llm, sp):
         outs = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in prompts]
         rows = llm.apply_model(lambda m: sorted({getattr(layer.ffn, "gemv_rows", 0) for layer in m.model.layers}))[0]
     return [list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs], rows

@@ -248,7 +248,7 @@ def moe_gemv_rows(device: torch.device) -> int:
     (:func:`w8a8_supported`: the op's MMAs are FP8), else 0; at most ``moe_gemv.MAX_TOKENS``."""
     from vllm_dsv41.ops import env_rows, moe_gemv
 
-    default = DEFAULT_MOE_GEMV_ROWS if device.type != "cuda" or w8a8_supported(device) else 0
+    default = DEFAULT_MOE_GEMV_ROWS if w8a8_supported(device) else 0  # True off CUDA
     n = env_rows(MOE_GEMV_ROWS_ENV, default)
     if n > moe_gemv.MAX_TOKENS:
         raise ValueError(f"{MOE_GEMV_ROWS_ENV}={n}: moe_gemv serves at most {moe_gemv.MAX_TOKENS} tokens")
@@ -265,7 +265,7 @@ def moe_fp8_from(device: torch.device) -> int:
     """``VLLM_DSV41_MOE_FP8_FROM``: forward passes of at least this many tokens run the routed experts in FP8
     (:func:`fp8_moe`); 0 turns that off.  Default :data:`DEFAULT_MOE_FP8_FROM` on GPUs with FP8 tensor cores
     (:func:`w8a8_supported`), else 0."""
-    default = DEFAULT_MOE_FP8_FROM if device.type != "cuda" or w8a8_supported(device) else 0
+    default = DEFAULT_MOE_FP8_FROM if w8a8_supported(device) else 0  # True off CUDA
     return env_count(MOE_FP8_FROM_ENV, default, "a token count >= 0 (0: never)")
 
 
