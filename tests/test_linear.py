@@ -124,6 +124,30 @@ def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path):
     assert 8 * 2**30 < est(8192, 66560) < 16 * 2**30
 
 
+def test_profile_run_reservation_oom_names_the_settings(monkeypatch):
+    """A reservation that does not fit raises torch's OOM error again, naming the step's tokens, the GiB it asked
+    for and the settings that shrink it (seen on an 80 GB H100 at max_model_len 66,560: 24.08 GiB for 16k tokens)."""
+    import types
+
+    from vllm_dsv41.model_executor.model import DeepseekV41ForCausalLM
+
+    vc = types.SimpleNamespace(model_config=types.SimpleNamespace(max_model_len=66560),
+                               scheduler_config=types.SimpleNamespace(max_num_batched_tokens=16384))
+    fake = types.SimpleNamespace(vllm_config=vc, activation_bytes=lambda T: T * 3 * 2**19)
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.00 GiB.")
+
+    DeepseekV41ForCausalLM._reserve_activations(fake, 16, torch.device("cpu"))  # fits: no error
+    monkeypatch.setattr(torch, "empty", no_memory)
+    with pytest.raises(torch.OutOfMemoryError) as info:
+        DeepseekV41ForCausalLM._reserve_activations(fake, 16384, torch.device("cpu"))
+    msg = str(info.value)
+    assert "16384-token step needs ~24.00 GiB" in msg
+    assert "max_num_batched_tokens=16384" in msg and "max_model_len=66560" in msg
+    assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
+
+
 @pytest.mark.parametrize("groups", [1, 4])
 def test_bf16_dense_gemm_backend(groups, monkeypatch):
     """``VLLM_DSV41_DENSE_GEMM=bf16``: finalize on the fast device keeps the dequantised weight
