@@ -1135,16 +1135,6 @@ def _compressed_token_map(vllm_config, cfg: DSV41Config) -> torch.Tensor:
     return torch.as_tensor(cmap, dtype=torch.long)
 
 
-def activation_oom_message(T: int, nbytes: int, vllm_config) -> str:
-    """What to tell the user when the profile run's activation reservation (``activation_bytes``) does not fit:
-    the sizes and the settings that change them."""
-    mc, sc = vllm_config.model_config, vllm_config.scheduler_config
-    return (f"vllm-dsv41: a {T}-token step needs ~{nbytes / 2**30:.2f} GiB of activations beside the weights "
-            f"(max_num_batched_tokens={sc.max_num_batched_tokens}, max_model_len={mc.max_model_len}), and they do "
-            f"not fit on this GPU; lower max_num_batched_tokens or max_model_len, or leave more memory free "
-            f"(kv_cache_memory_bytes / gpu_memory_utilization)")
-
-
 class DeepseekV41ForCausalLM(nn.Module):
     """vLLM entry class for architecture ``DeepseekV41ForCausalLM`` (text path)."""
 
@@ -1233,10 +1223,14 @@ class DeepseekV41ForCausalLM(nn.Module):
         step of T tokens needs, so a long prefill does not run out of memory next to a full KV pool."""
         nbytes = self.activation_bytes(T)
         try:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            torch.empty(nbytes, dtype=torch.uint8, device=dev)  # freed at once: the peak is what counts
         except torch.OutOfMemoryError as e:
-            raise torch.OutOfMemoryError(activation_oom_message(T, nbytes, self.vllm_config)) from e
-        del buf
+            mc, sc = self.vllm_config.model_config, self.vllm_config.scheduler_config
+            raise torch.OutOfMemoryError(
+                f"vllm-dsv41: a {T}-token step needs ~{nbytes / 2**30:.2f} GiB of activations beside the weights "
+                f"(max_num_batched_tokens={sc.max_num_batched_tokens}, max_model_len={mc.max_model_len}), and they "
+                f"do not fit on this GPU; lower max_num_batched_tokens or max_model_len, or leave more memory free "
+                f"(kv_cache_memory_bytes / gpu_memory_utilization)") from e
 
     def _final_hidden(self, step: Step, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings [n, H] of the step's tokens -> (final hidden states of the rows the decoder kept, those
