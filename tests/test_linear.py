@@ -102,9 +102,11 @@ def test_concat_rows_keeps_each_parts_rows_and_scales():
         concat_rows(QuantLinear(48, 96, quant=True), parts[1])
 
 
-def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path):
-    """The profile run's activation reservation (model.activation_bytes): linear in the step's tokens, growing
-    with the context (the indexer's score rows), ~12 GiB for an 8k-token step of the bench config at 66k."""
+def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path, monkeypatch):
+    """The profile run's activation reservation (model.activation_bytes): linear in the step's tokens but for the
+    indexer's score rows, which the passes of ``index_chunk_rows`` bound (one pass, ``VLLM_DSV41_INDEX_CHUNK_MIB=0``:
+    they grow with tokens and context).  Bench config at 66k: a 16k-token step under 17.5 GiB (24.08 GiB before the
+    passes, too much for an 80 GB H100 beside the weights), ~9 GiB for 8k tokens."""
     import types
 
     from vllm_dsv41.config import load_config
@@ -119,9 +121,17 @@ def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path):
             model_config=types.SimpleNamespace(max_model_len=ctx)))
         return DeepseekV41ForCausalLM.activation_bytes(fake, T)
 
+    from vllm_dsv41.model_executor import model as model_mod
+
+    monkeypatch.setenv(model_mod.INDEX_CHUNK_ENV, "1024")
+    per_token = est(8192, 66560) - est(8191, 66560)
+    assert est(16384, 66560) - est(8192, 66560) == 8192 * per_token  # the indexer's term is already at its bound
+    assert est(16384, 131072) - est(16384, 66560) < 2**28
+    assert 8 * 2**30 < est(8192, 66560) < 10 * 2**30 and est(16384, 66560) < 17.5 * 2**30
+    assert est(1, 66560) == per_token + model_mod.INDEX_BYTES_PER_ENTRY * 66560
+    monkeypatch.setenv(model_mod.INDEX_CHUNK_ENV, "0")
     assert est(8192, 66560) == 4 * est(2048, 66560)
-    assert est(8192, 131072) > est(8192, 66560)
-    assert 8 * 2**30 < est(8192, 66560) < 16 * 2**30
+    assert est(8192, 131072) > est(8192, 66560) + 4 * 2**30
 
 
 def test_profile_run_reservation_oom_names_the_settings(monkeypatch):

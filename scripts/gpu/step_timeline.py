@@ -107,8 +107,19 @@ def main() -> int:
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.out, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - t
 
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
     warm = run()
     print(f"untimed run {warm:.2f} s", flush=True)
+    if cuda:
+        # what the workload's steps allocated above the weights, caches and graph pools the engine already held:
+        # the figure the profile run's activation reservation (model.activation_bytes) stands in for
+        peak = torch.cuda.max_memory_allocated() - held
+        print(f"activation peak of the untimed run {peak / 2**30:.2f} GiB above the {held / 2**30:.2f} GiB held "
+              f"(max_num_batched_tokens {llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens})",
+              flush=True)
 
     rows: list[dict] = []
     pending: list[dict] = []  # planned steps whose output has not come back yet, oldest first

@@ -721,6 +721,60 @@ def test_mixed_step_graphs_static(tiny_ckpt, tiny_model, prompts, monkeypatch, a
         assert static_plans and all(b is not None and t <= b for t, b in static_plans), static_plans
 
 
+def test_index_passes_are_exact(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_INDEX_CHUNK_MIB``: the indexer's score rows ([rows, n_max] fp32, 4.4 GB for a 16k-row chunk at a
+    66k context) go through ``index_scores`` and the selections in passes of bounded size.  Ops path, eager steps, the
+    candidate blocks made (shortcut off) so the source's blocks are joined over passes and each consumer pass reads its
+    rows' blocks: passes of 3 rows give the tokens and logits of one pass, bitwise, with more ``index_scores`` calls."""
+    from vllm_dsv41.model_executor import model as model_mod
+
+    monkeypatch.setenv("VLLM_DSV41_OPS", "1")
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "0")
+    monkeypatch.setenv(model_mod.CANDIDATE_SHORTCUT_ENV, "0")
+    calls = {"index_scores": 0}
+
+    class CountedOps:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.dsv41, name)
+            if name != "index_scores":
+                return op
+
+            def run(*a, **kw):
+                calls[name] += 1
+                return op(*a, **kw)
+            return run
+
+    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+    runs = {}
+    for name, rows in (("one", lambda n_max: 1 << 62), ("passes", lambda n_max: 3)):
+        monkeypatch.setattr(model_mod, "index_chunk_rows", rows)
+        calls["index_scores"] = 0
+        with engine(tiny_ckpt, exact=True, logprobs_mode="raw_logits", max_logprobs=-1) as llm:
+            outs = _generate(llm, prompts[:5], logits=True)
+        runs[name] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs],
+                      calls["index_scores"])
+    (tok0, lg0, n0), (tok1, lg1, n1) = runs["one"], runs["passes"]
+    print(f"index_scores calls: {n1} in passes of 3 rows, {n0} in one pass")
+    assert n1 > n0 > 0
+    assert tok1 == tok0 and all(torch.equal(a, b) for a, b in zip(lg0, lg1))
+
+
+def test_index_chunk_rows_setting(monkeypatch):
+    """``index_chunk_rows``: rows whose selection cells fit the MiB budget (at least one), 0 = one pass, and a clear
+    error naming the variable for a value that is not a whole number."""
+    from vllm_dsv41.model_executor import model as model_mod
+
+    monkeypatch.setenv(model_mod.INDEX_CHUNK_ENV, "1")
+    assert model_mod.index_chunk_rows(1024) == (1 << 20) // (model_mod.INDEX_BYTES_PER_ENTRY * 1024)
+    assert model_mod.index_chunk_rows(1 << 30) == 1
+    monkeypatch.setenv(model_mod.INDEX_CHUNK_ENV, "0")
+    assert model_mod.index_chunk_rows(66560) >= 1 << 40
+    for bad in ("-1", "1.5", "lots"):
+        monkeypatch.setenv(model_mod.INDEX_CHUNK_ENV, bad)
+        with pytest.raises(ValueError, match="VLLM_DSV41_INDEX_CHUNK_MIB"):
+            model_mod.index_chunk_rows(66560)
+
+
 def test_candidate_shortcut_is_exact(tiny_ckpt, prompts, monkeypatch):
     """``VLLM_DSV41_CANDIDATE_SHORTCUT``: where the candidate source's host bound fits the candidate budget (the tiny
     model's is 6 blocks of 4 entries: the short prompts' eager steps) it publishes no blocks and its consumers select

@@ -56,6 +56,7 @@ from vllm_dsv41.model_executor.step import Step, TokenHistory
 from vllm_dsv41.ops import mhc as mhc_op
 from vllm_dsv41.ops import sparse_attn_gathered
 from vllm_dsv41.ops.sparse_attn import skip_empty_pays
+from vllm_dsv41.ops.topk import blocks_to_mask
 from vllm_dsv41.config import DSV41Config, LayerPlan, from_hf_config
 from vllm_dsv41.engine_config import user_asked_eager
 from vllm_dsv41.reference.model import (apply_rope, candidate_mask, clamped_swiglu_act, hc_coefficients,
@@ -123,6 +124,29 @@ def fold_post() -> bool:
     if v not in ("1", "0"):
         raise ValueError(f"{FOLD_POST_ENV}={v!r}: expected 1 or 0")
     return v == "1"
+
+
+INDEX_CHUNK_ENV = "VLLM_DSV41_INDEX_CHUNK_MIB"
+# bytes a selection holds per (row, entry) at its peak: the fp32 scores, a consumer's masked fp32 copy, its candidate
+# mask and that mask's complement
+INDEX_BYTES_PER_ENTRY = 12
+
+
+def index_chunk_rows(n_max: int) -> int:
+    """Rows per indexer pass on the ops path, so that a pass's score rows ([rows, n_max] and what the selection derives
+    from them, :data:`INDEX_BYTES_PER_ENTRY` a cell) stay within ``VLLM_DSV41_INDEX_CHUNK_MIB`` (default 1024; 0 = one
+    pass whatever the size, the earlier behaviour).  Rows are selected independently, so the passes give the same
+    indices as one."""
+    v = os.environ.get(INDEX_CHUNK_ENV, "1024").strip() or "1024"
+    try:
+        mib = int(v)
+    except ValueError:
+        mib = -1
+    if mib < 0:
+        raise ValueError(f"{INDEX_CHUNK_ENV}={v!r}: expected a whole number of MiB (0 = no limit)")
+    if mib == 0:
+        return 1 << 62
+    return max(1, (mib << 20) // (INDEX_BYTES_PER_ENTRY * max(1, n_max)))
 
 
 MOE_ADD_ENV = "VLLM_DSV41_MOE_ADD_IN_POST"
@@ -442,22 +466,33 @@ class Attention(nn.Module):
         qi = self._rope(step, qi, pos)
         w = self.indexer.weights_proj(x) * (cfg.index_head_dim ** -0.5) * (cfg.index_n_heads ** -0.5)
         cache, table, rows_per_block = model.index_view(step, src, n_max)
-        scores = ops.index_scores(qi, w, cache, table, rows_per_block, req32, n_vis, n_max)
-        if plan.is_candidate_source:
-            # every row keeps all of its at most ceil(n_max / block) visible blocks when they fit the budget; the
-            # consumers, finding no blocks, select as they would through a filter that admits every visible entry
-            fits = -(-n_max // cfg.candidate_block_size) <= cfg.candidate_topk_blocks
-            if not (fits and self.candidates_skippable and candidate_shortcut()):
-                step.scratch["cand_blocks"] = ops.candidate_blocks(scores, n_vis, cfg.candidate_block_size,
-                                                                   cfg.candidate_topk_blocks)
-        elif plan.is_candidate_consumer and "cand_blocks" in step.scratch:
-            from vllm_dsv41.ops.topk import blocks_to_mask
-
-            cand = blocks_to_mask(step.scratch["cand_blocks"], cfg.candidate_block_size, n_max)
-            idx = ops.topk_select(scores.masked_fill(~cand, float("-inf")), n_vis, cfg.index_topk)
-            hit = (idx >= 0) & cand.gather(1, idx.clamp(min=0).long())
-            return torch.where(hit, idx, torch.full_like(idx, -1))
-        return ops.topk_select(scores, n_vis, cfg.index_topk)
+        # every row keeps all of its at most ceil(n_max / block) visible blocks when they fit the budget; the
+        # consumers, finding no blocks, select as they would through a filter that admits every visible entry
+        make_blocks = plan.is_candidate_source and not (
+            -(-n_max // cfg.candidate_block_size) <= cfg.candidate_topk_blocks
+            and self.candidates_skippable and candidate_shortcut())
+        blocks = (step.scratch.get("cand_blocks") if plan.is_candidate_consumer and not plan.is_candidate_source
+                  else None)
+        R = qi.shape[0]
+        chunk = index_chunk_rows(n_max)  # a long prefill's score rows, [R, n_max] fp32, in passes of bounded size
+        picked, made = [], []
+        for a in range(0, max(R, 1), chunk):
+            rows = slice(a, min(R, a + chunk))
+            scores = ops.index_scores(qi[rows], w[rows], cache, table, rows_per_block, req32[rows], n_vis[rows], n_max)
+            if make_blocks:
+                made.append(ops.candidate_blocks(scores, n_vis[rows], cfg.candidate_block_size,
+                                                 cfg.candidate_topk_blocks))
+            if blocks is not None:
+                cand = blocks_to_mask(blocks[rows], cfg.candidate_block_size, n_max)
+                idx = ops.topk_select(scores.masked_fill(~cand, float("-inf")), n_vis[rows], cfg.index_topk)
+                hit = (idx >= 0) & cand.gather(1, idx.clamp(min=0).long())
+                picked.append(torch.where(hit, idx, torch.full_like(idx, -1)))
+            else:
+                picked.append(ops.topk_select(scores, n_vis[rows], cfg.index_topk))
+            del scores
+        if made:
+            step.scratch["cand_blocks"] = made[0] if len(made) == 1 else torch.cat(made)
+        return picked[0] if len(picked) == 1 else torch.cat(picked)
 
     def _swa_slots(self, step: Step, pos: torch.Tensor, req: torch.Tensor, floors: torch.Tensor) -> torch.Tensor:
         """SWA keys of every row: positions max(p - W + 1, floor, 0) .. p, as rows of the flat SWA
@@ -1208,14 +1243,15 @@ class DeepseekV41ForCausalLM(nn.Module):
 
         Per token: the query path in fp32 and bf16 (q, its RoPE copy, the attention output, the Marlin
         input/output casts: ~5 x heads x head_dim x 4), the mHC streams (3 copies of hc x hidden x 4) and the
-        routed experts' intermediates (top-k x (2I + I + H) x 2); per token and visible entry: the indexer's
-        fp32 scores and their masked copy at the longest context (max_model_len / smallest ratio)."""
+        routed experts' intermediates (top-k x (2I + I + H) x 2); and the indexer's selection at the longest context
+        (max_model_len / smallest ratio entries a row), :data:`INDEX_BYTES_PER_ENTRY` a (row, entry) over the rows of
+        one of its passes (:func:`index_chunk_rows`)."""
         cfg = self.cfg
         per_tok = (5 * cfg.num_attention_heads * cfg.head_dim * 4 + 3 * cfg.hc_mult * cfg.hidden_size * 4
                    + cfg.num_experts_per_tok * (3 * cfg.moe_intermediate_size + cfg.hidden_size) * 2)
         ratios = [r for r in cfg.compress_ratios if r > 0] or [1]
         entries = self.vllm_config.model_config.max_model_len // min(ratios)
-        return T * (per_tok + 2 * 4 * entries)
+        return T * per_tok + min(T, index_chunk_rows(entries)) * INDEX_BYTES_PER_ENTRY * entries
 
     def _reserve_activations(self, T: int, dev: torch.device) -> None:
         """vLLM sizes the KV cache from the profile run's peak memory, but that run has no caches and our
