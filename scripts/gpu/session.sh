@@ -23,6 +23,8 @@
 #   scripts/gpu/session.sh compress        # compress_insert's small-row route, StaticStep.load: CUDA tests, kernel times
 #   scripts/gpu/session.sh gemv            # dsv41::fp8_gemv / fp8_gemv_q: CUDA tests, graph-replayed times at 1, 4, 16 rows
 #                                          # against vLLM's quantisation + CUTLASS and bf16 cuBLAS
+#   scripts/gpu/session.sh gemvq           # fp8_gemv_q on rows quantised by their producers: CUDA tests, the fast path
+#                                          # end to end with VLLM_DSV41_SMALL_GEMM=gemv, VLLM_DSV41_FUSED_ACT_QUANT=1
 #   scripts/gpu/session.sh gemv_e2e        # the fast path end to end with VLLM_DSV41_SMALL_GEMM=gemv (small checkpoint)
 #   scripts/gpu/session.sh moe_gemv        # dsv41::moe_gemv (few-token MXFP4 experts): CUDA tests, graph-replayed times at
 #                                          # 1, 2, 4 tokens against matmul_ogs (with vLLM) and moe_mxfp4
@@ -48,7 +50,12 @@ export VLLM_USE_FLASHINFER_SAMPLER=0
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-index --no-build-isolation --upgrade --target /tmp/site . > "$OUT/pip.log" 2>&1
-[ -f /tmp/bench/config.json ] || python3 -m vllm_dsv41.tools.make_checkpoint /tmp/bench --preset bench --no-engram > "$OUT/mk.log" 2>&1
+# the bench config's 32 experts do not load on an 80 GB card (H100); 16 experts read the same bytes at batch 1
+mem_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+experts=()
+[ "${mem_mib:-0}" -lt 100000 ] && experts=(--set n_routed_experts=16)
+[ -f /tmp/bench/config.json ] || python3 -m vllm_dsv41.tools.make_checkpoint /tmp/bench --preset bench --no-engram \
+  "${experts[@]}" > "$OUT/mk.log" 2>&1
 case "${1:-}" in
   ops)
     timeout 560 python3 -m pytest -q -n 12 -p no:cacheprovider tests/ops tests/test_formats.py > "$OUT/ops-tests.log" 2>&1
@@ -213,6 +220,16 @@ case "${1:-}" in
     grep -E "passed|failed|FAILED|Error" "$OUT/gemv-tests.log" | tail -12
     timeout 200 python3 benchmarks/ops/bench_fp8_gemv.py --rows 1 4 16 > "$OUT/bench-gemv.log" 2>&1
     cut -c1-200 "$OUT/bench-gemv.log" | tail -60 ;;
+  gemvq)
+    # the dense decode GEMMs through dsv41::fp8_gemv_q on rows their producers quantised (VLLM_DSV41_SMALL_GEMM=gemv,
+    # VLLM_DSV41_FUSED_ACT_QUANT=1): the ops' CUDA tests, then the fast path end to end under both switches; after
+    # it: VARIANTS="base: gemv:VLLM_DSV41_SMALL_GEMM=gemv gq:VLLM_DSV41_SMALL_GEMM=gemv,VLLM_DSV41_FUSED_ACT_QUANT=1"
+    timeout 200 python3 -m pytest -q -n 4 -p no:cacheprovider tests/ops/test_fp8_gemv.py tests/ops/test_mhc.py \
+      tests/ops/test_swiglu_quant.py -k "cuda or gemv" > "$OUT/gemvq-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/gemvq-tests.log" | tail -12
+    VLLM_DSV41_SMALL_GEMM=gemv VLLM_DSV41_FUSED_ACT_QUANT=1 timeout 330 python3 -m pytest -q -s -m gpu \
+      -p no:cacheprovider tests/gpu/test_fast_path_cuda.py > "$OUT/gemvq-e2e.log" 2>&1
+    grep -E "passed|failed|error|Error|rel err|median" "$OUT/gemvq-e2e.log" | cut -c1-220 | tail -20 ;;
   gemv_e2e)
     VLLM_DSV41_SMALL_GEMM=gemv timeout 400 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
       tests/gpu/test_fast_path_cuda.py > "$OUT/gemv-e2e.log" 2>&1

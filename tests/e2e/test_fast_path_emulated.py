@@ -344,6 +344,32 @@ def test_fused_collapse_quant_route_on_cpu(tiny_ckpt, prompts, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))
 
 
+def test_fused_quant_rows_through_gemv_on_cpu(tiny_ckpt, prompts, monkeypatch):
+    """``VLLM_DSV41_SMALL_GEMM=gemv`` with the activations quantised by their producers (``VLLM_DSV41_FUSED_QUANT=1``,
+    ``VLLM_DSV41_FUSED_ACT_QUANT=1``) against gemv quantising inside (``FUSED_QUANT=0``), as padded static decode
+    steps: with 1 the decode passes' pre-quantised rows (the q norm's, the collapses', the shared SwiGLU's) reach
+    ``dsv41::fp8_gemv_q``, so a decode layer launches neither vLLM's per-token quantisation nor gemv's amax pass for
+    those GEMMs; with 0 no pass takes ``fp8_gemv_q``.  Same tokens, bitwise the same logits (the codes are those gemv
+    would have made of the same x)."""
+    from vllm_dsv41.ops import fp8_gemv
+
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "w8a8")
+    monkeypatch.setenv(linear.SMALL_GEMM_ENV, "gemv")
+    monkeypatch.setenv(linear.FUSED_ACT_QUANT_ENV, "1")
+    monkeypatch.setenv("VLLM_DSV41_STREAMS", "auto")
+    monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "static")
+    _emulate_fast_path(monkeypatch, torch.bfloat16)
+    calls = {"gemv_q": 0, "gemv": 0}
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv_q", _counted(calls, "gemv_q", fp8_gemv.fp8_gemv_q))
+    monkeypatch.setattr(fp8_gemv, "fp8_gemv", _counted(calls, "gemv", fp8_gemv.fp8_gemv))
+    (tok0, lg0, c0), (tok1, lg1, c1) = _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls)
+    print(f"gemv on pre-quantised rows: {c1} against {c0}")
+    assert c0["gemv_q"] == 0 and c0["gemv"] > 0
+    assert c1["gemv_q"] > 0 and c1["gemv_q"] + c1["gemv"] == c0["gemv"]
+    assert tok1 == tok0 and all(len(t) == 8 for t in tok1)
+    assert all(torch.equal(a, b) for a, b in zip(lg0, lg1))
+
+
 def test_moe_add_in_post_on_cpu(tiny_ckpt, prompts, monkeypatch):
     """``VLLM_DSV41_MOE_ADD_IN_POST=1`` against ``0`` on the fast path's code (bf16 streams, padded static decode
     steps and eager prefill): with 1 every FFN boundary's ``dsv41::mhc_post`` takes the MoE's routed and shared outputs
