@@ -134,9 +134,10 @@ def test_profile_run_reservation_scales_with_tokens_and_context(tmp_path, monkey
     assert est(8192, 131072) > est(8192, 66560) + 4 * 2**30
 
 
-def test_profile_run_reservation_oom_names_the_settings(monkeypatch):
+def test_profile_run_reservation_oom_names_the_settings(monkeypatch, caplog):
     """A reservation that does not fit raises torch's OOM error again, naming the step's tokens, the GiB it asked
-    for and the settings that shrink it (seen on an 80 GB H100 at max_model_len 66,560: 24.08 GiB for 16k tokens)."""
+    for and the settings that shrink it (seen on an 80 GB H100 at max_model_len 66,560: 24.08 GiB for 16k tokens); under
+    ``kv_cache_memory_bytes`` (the pool sized by the user) the same text is a warning and the start goes on."""
     import types
 
     from vllm_dsv41.model_executor.model import DeepseekV41ForCausalLM
@@ -150,6 +151,12 @@ def test_profile_run_reservation_oom_names_the_settings(monkeypatch):
 
     DeepseekV41ForCausalLM._reserve_activations(fake, 16, torch.device("cpu"))  # fits: no error
     monkeypatch.setattr(torch, "empty", no_memory)
+    # a pool the user sized (kv_cache_memory_bytes): vLLM does not read the dummy runs' peak, so a warning, no error
+    vc.cache_config = types.SimpleNamespace(kv_cache_memory_bytes=16 << 30)
+    with caplog.at_level("WARNING"):
+        DeepseekV41ForCausalLM._reserve_activations(fake, 16384, torch.device("cpu"))
+    assert "16384-token step needs ~24.00 GiB" in caplog.text and "kv_cache_memory_bytes" in caplog.text
+    vc.cache_config = types.SimpleNamespace(kv_cache_memory_bytes=None)
     with pytest.raises(torch.OutOfMemoryError) as info:
         DeepseekV41ForCausalLM._reserve_activations(fake, 16384, torch.device("cpu"))
     msg = str(info.value)

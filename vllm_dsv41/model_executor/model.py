@@ -27,6 +27,7 @@ step (:class:`Step`).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -63,6 +64,8 @@ from vllm_dsv41.reference.model import (apply_rope, candidate_mask, clamped_swig
                                         hc_collapse, hc_post,
                                         index_scores, rms_norm, rope_cos_sin, rope_inv_freq, route, sparse_attention,
                                         topk_select)
+
+logger = logging.getLogger(__name__)
 
 EXACT_ENV = "VLLM_DSV41_EXACT"
 OPS_ENV = "VLLM_DSV41_OPS"
@@ -1256,17 +1259,25 @@ class DeepseekV41ForCausalLM(nn.Module):
     def _reserve_activations(self, T: int, dev: torch.device) -> None:
         """vLLM sizes the KV cache from the profile run's peak memory, but that run has no caches and our
         forward returns at once; holding :meth:`activation_bytes` for a moment makes the peak what a real
-        step of T tokens needs, so a long prefill does not run out of memory next to a full KV pool."""
+        step of T tokens needs, so a long prefill does not run out of memory next to a full KV pool.  With
+        ``kv_cache_memory_bytes`` the user sized the pool and vLLM does not read the profile run's peak (its dummy runs
+        only compile and warm up, the later ones beside the allocated pool), so an estimate that does not fit is a
+        warning there, not a refused start: the estimate is an upper bound (2.4x a 64k prompt's measured peak on an
+        H100, docs/benchmarks.md "Session 30")."""
         nbytes = self.activation_bytes(T)
         try:
             torch.empty(nbytes, dtype=torch.uint8, device=dev)  # freed at once: the peak is what counts
         except torch.OutOfMemoryError as e:
             mc, sc = self.vllm_config.model_config, self.vllm_config.scheduler_config
-            raise torch.OutOfMemoryError(
-                f"vllm-dsv41: a {T}-token step needs ~{nbytes / 2**30:.2f} GiB of activations beside the weights "
-                f"(max_num_batched_tokens={sc.max_num_batched_tokens}, max_model_len={mc.max_model_len}), and they "
-                f"do not fit on this GPU; lower max_num_batched_tokens or max_model_len, or leave more memory free "
-                f"(kv_cache_memory_bytes / gpu_memory_utilization)") from e
+            msg = (f"vllm-dsv41: a {T}-token step needs ~{nbytes / 2**30:.2f} GiB of activations beside the weights "
+                   f"(max_num_batched_tokens={sc.max_num_batched_tokens}, max_model_len={mc.max_model_len}), and they "
+                   f"do not fit on this GPU; lower max_num_batched_tokens or max_model_len, or leave more memory free "
+                   f"(kv_cache_memory_bytes / gpu_memory_utilization)")
+            if getattr(getattr(self.vllm_config, "cache_config", None), "kv_cache_memory_bytes", None):
+                logger.warning("%s (an upper estimate; the KV pool is the user's kv_cache_memory_bytes, so the engine "
+                               "starts, and the longest prefill steps may run out of memory)", msg)
+                return
+            raise torch.OutOfMemoryError(msg) from e
 
     def _final_hidden(self, step: Step, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Embeddings [n, H] of the step's tokens -> (final hidden states of the rows the decoder kept, those
