@@ -1274,8 +1274,10 @@ class DeepseekV41ForCausalLM(nn.Module):
                    f"do not fit on this GPU; lower max_num_batched_tokens or max_model_len, or leave more memory free "
                    f"(kv_cache_memory_bytes / gpu_memory_utilization)")
             if getattr(getattr(self.vllm_config, "cache_config", None), "kv_cache_memory_bytes", None):
-                logger.warning("%s (an upper estimate; the KV pool is the user's kv_cache_memory_bytes, so the engine "
-                               "starts, and the longest prefill steps may run out of memory)", msg)
+                if not getattr(self, "_reservation_warned", False):  # once: warm-up runs the dummy step repeatedly
+                    logger.warning("%s (an upper estimate; the KV pool is the user's kv_cache_memory_bytes, so the "
+                                   "engine starts, and the longest prefill steps may run out of memory)", msg)
+                    self._reservation_warned = True
                 return
             raise torch.OutOfMemoryError(msg) from e
 
