@@ -48,6 +48,27 @@ def _assert_logits_close(ref: list[torch.Tensor], got: list[torch.Tensor], what:
     return worst
 
 
+def _counted(calls: dict, name: str, fn):
+    """``fn`` adding one to ``calls[name]`` per call."""
+    def run(*a, **kw):
+        calls[name] += 1
+        return fn(*a, **kw)
+    return run
+
+
+def _count_ops(monkeypatch, calls: dict, counted: set[str]) -> None:
+    """The model's ``torch.ops.dsv41`` calls of the ops named in ``counted`` add to ``calls[name]`` (through the
+    model's ``_ops()``; the namespace's own attributes stay untouched)."""
+    from vllm_dsv41.model_executor import model as model_mod
+
+    class CountedOps:
+        def __getattr__(self, name):
+            op = getattr(torch.ops.dsv41, name)
+            return _counted(calls, name, op) if name in counted else op
+
+    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+
+
 def _vocab_logits(out) -> torch.Tensor:
     steps = out.outputs[0].logprobs
     V = max(max(d) for d in steps) + 1
@@ -732,19 +753,7 @@ def test_index_passes_are_exact(tiny_ckpt, prompts, monkeypatch):
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "0")
     monkeypatch.setenv(model_mod.CANDIDATE_SHORTCUT_ENV, "0")
     calls = {"index_scores": 0}
-
-    class CountedOps:
-        def __getattr__(self, name):
-            op = getattr(torch.ops.dsv41, name)
-            if name != "index_scores":
-                return op
-
-            def run(*a, **kw):
-                calls[name] += 1
-                return op(*a, **kw)
-            return run
-
-    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+    _count_ops(monkeypatch, calls, {"index_scores"})
     runs = {}
     for name, rows in (("one", lambda n_max: 1 << 62), ("passes", lambda n_max: 3)):
         monkeypatch.setattr(model_mod, "index_chunk_rows", rows)
@@ -786,19 +795,7 @@ def test_candidate_shortcut_is_exact(tiny_ckpt, prompts, monkeypatch):
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
     monkeypatch.setenv("VLLM_DSV41_CUDAGRAPH", "0")
     calls = {"candidate_blocks": 0}
-
-    class CountedOps:
-        def __getattr__(self, name):
-            op = getattr(torch.ops.dsv41, name)
-            if name != "candidate_blocks":
-                return op
-
-            def run(*a, **kw):
-                calls[name] += 1
-                return op(*a, **kw)
-            return run
-
-    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
+    _count_ops(monkeypatch, calls, {"candidate_blocks"})
     runs = {}
     for switch in ("0", "1"):
         monkeypatch.setenv(model_mod.CANDIDATE_SHORTCUT_ENV, switch)

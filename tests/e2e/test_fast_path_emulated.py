@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from tests.e2e.conftest import engine
-from tests.e2e.test_engine_vs_reference import (_RAW_LOGITS, _assert_logits_close, _generate, _vocab_logits,
-                                                probe_static_steps)
+from tests.e2e.test_engine_vs_reference import (_RAW_LOGITS, _assert_logits_close, _count_ops, _counted, _generate,
+                                                _vocab_logits, probe_static_steps)
 from vllm_dsv41 import formats
 from vllm_dsv41.checkpoint import E8M0
 from vllm_dsv41.model_executor import linear
@@ -101,27 +101,6 @@ def _emulate_fast_path(monkeypatch, dtype: torch.dtype) -> None:
         monkeypatch.setattr(mod, "on_fast_device", lambda t: True)
     monkeypatch.setattr(linear.WeightFormat, "choose", staticmethod(lambda exact: linear.WeightFormat(True, dtype, True)))
     monkeypatch.setenv("VLLM_DSV41_OPS", "1")
-
-
-def _counted(calls: dict, name: str, fn):
-    """``fn`` adding one to ``calls[name]`` per call."""
-    def run(*a, **kw):
-        calls[name] += 1
-        return fn(*a, **kw)
-    return run
-
-
-def _count_ops(monkeypatch, calls: dict, counted: set[str]) -> None:
-    """The model's ``torch.ops.dsv41`` calls of the ops named in ``counted`` add to ``calls[name]`` (through the
-    model's ``_ops()``; the namespace's own attributes stay untouched)."""
-    from vllm_dsv41.model_executor import model as model_mod
-
-    class CountedOps:
-        def __getattr__(self, name):
-            op = getattr(torch.ops.dsv41, name)
-            return _counted(calls, name, op) if name in counted else op
-
-    monkeypatch.setattr(model_mod, "_ops", lambda real=model_mod._ops: (real(), CountedOps())[1])
 
 
 def _serve_fused_quant_both_ways(tiny_ckpt, prompts, monkeypatch, calls: dict,

@@ -42,7 +42,7 @@ from vllm_dsv41.attention import caches
 from vllm_dsv41.attention.specs import COMPRESSED_BLOCK_SIZE
 from vllm_dsv41.attention.backend import current_step, history_capacity, host_to_device
 from vllm_dsv41.model_executor.linear import (FUSED_QUANT_MAX_ROWS, Dense, Expert, QuantLinear, WeightFormat,
-                                              bf16_moe, fp8_moe,
+                                              bf16_moe, env_count, fp8_moe,
                                               fp8_row_exponents, fuse_rows_on_cuda, fused_act_quant, fused_quant,
                                               fused_rms_norm, fused_rms_norm_quant, log_moe_choice, loop_moe,
                                               marlin_expert_stack, marlin_moe,
@@ -140,13 +140,7 @@ def index_chunk_rows(n_max: int) -> int:
     from them, :data:`INDEX_BYTES_PER_ENTRY` a cell) stay within ``VLLM_DSV41_INDEX_CHUNK_MIB`` (default 1024; 0 = one
     pass whatever the size, the earlier behaviour).  Rows are selected independently, so the passes give the same
     indices as one."""
-    v = os.environ.get(INDEX_CHUNK_ENV, "1024").strip() or "1024"
-    try:
-        mib = int(v)
-    except ValueError:
-        mib = -1
-    if mib < 0:
-        raise ValueError(f"{INDEX_CHUNK_ENV}={v!r}: expected a whole number of MiB (0 = no limit)")
+    mib = env_count(INDEX_CHUNK_ENV, 1024, "a whole number of MiB (0 = no limit)")
     if mib == 0:
         return 1 << 62
     return max(1, (mib << 20) // (INDEX_BYTES_PER_ENTRY * max(1, n_max)))
@@ -1273,7 +1267,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                    f"(max_num_batched_tokens={sc.max_num_batched_tokens}, max_model_len={mc.max_model_len}), and they "
                    f"do not fit on this GPU; lower max_num_batched_tokens or max_model_len, or leave more memory free "
                    f"(kv_cache_memory_bytes / gpu_memory_utilization)")
-            if getattr(getattr(self.vllm_config, "cache_config", None), "kv_cache_memory_bytes", None):
+            if self.vllm_config.cache_config.kv_cache_memory_bytes:
                 if not getattr(self, "_reservation_warned", False):  # once: warm-up runs the dummy step repeatedly
                     logger.warning("%s (an upper estimate; the KV pool is the user's kv_cache_memory_bytes, so the "
                                    "engine starts, and the longest prefill steps may run out of memory)", msg)
