@@ -25,6 +25,9 @@
 #                                          # against vLLM's quantisation + CUTLASS and bf16 cuBLAS
 #   scripts/gpu/session.sh gemvq           # fp8_gemv_q on rows quantised by their producers: CUDA tests, the fast path
 #                                          # end to end with VLLM_DSV41_SMALL_GEMM=gemv, VLLM_DSV41_FUSED_ACT_QUANT=1
+#   scripts/gpu/session.sh pdl             # programmatic dependent launch (VLLM_DSV41_PDL=1): the ops' CUDA tests with it,
+#                                          # the graph chain test; the fast path end to end under the gemvq switches,
+#                                          # with the PDL-on-vs-off bitwise test
 #   scripts/gpu/session.sh gemv_e2e        # the fast path end to end with VLLM_DSV41_SMALL_GEMM=gemv (small checkpoint)
 #   scripts/gpu/session.sh moe_gemv        # dsv41::moe_gemv (few-token MXFP4 experts): CUDA tests, graph-replayed times at
 #                                          # 1, 2, 4 tokens against matmul_ogs (with vLLM) and moe_mxfp4
@@ -230,6 +233,14 @@ case "${1:-}" in
     VLLM_DSV41_SMALL_GEMM=gemv VLLM_DSV41_FUSED_ACT_QUANT=1 timeout 330 python3 -m pytest -q -s -m gpu \
       -p no:cacheprovider tests/gpu/test_fast_path_cuda.py > "$OUT/gemvq-e2e.log" 2>&1
     grep -E "passed|failed|error|Error|rel err|median" "$OUT/gemvq-e2e.log" | cut -c1-220 | tail -20 ;;
+  pdl)
+    VLLM_DSV41_PDL=1 timeout 230 python3 -m pytest -q -n 8 -p no:cacheprovider tests/ops/test_pdl.py tests/ops/test_mhc.py \
+      tests/ops/test_fp8_gemv.py tests/ops/test_moe_gemv.py tests/ops/test_swiglu_quant.py tests/ops/test_router.py \
+      tests/ops/test_sparse_attn.py tests/ops/test_topk.py -k "cuda or pdl or gemv" > "$OUT/pdl-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/pdl-tests.log" | tail -12
+    VLLM_DSV41_SMALL_GEMM=gemv VLLM_DSV41_FUSED_ACT_QUANT=1 timeout 340 python3 -m pytest -q -s -m gpu \
+      -p no:cacheprovider tests/gpu/test_fast_path_cuda.py -k "matches or pdl" > "$OUT/pdl-e2e.log" 2>&1
+    grep -E "passed|failed|error|Error|rel err|median|PDL" "$OUT/pdl-e2e.log" | cut -c1-220 | tail -20 ;;
   gemv_e2e)
     VLLM_DSV41_SMALL_GEMM=gemv timeout 400 python3 -m pytest -q -s -m gpu -p no:cacheprovider \
       tests/gpu/test_fast_path_cuda.py > "$OUT/gemv-e2e.log" 2>&1

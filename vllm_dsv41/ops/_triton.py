@@ -7,6 +7,14 @@ and registers its Triton path only when ``HAS_TRITON``.
 Also :func:`interpreting` (Triton's interpreter is on), :func:`jit_with_e2m1` (an MXFP4 op's kernel with the
 E2M1 decoder bound) and :func:`launch_fitting`: a launch config that does not fit the GPU (shared memory,
 registers) steps down to the next smaller one instead of failing the request.
+
+And programmatic dependent launch (PDL, ``VLLM_DSV41_PDL``): :func:`pdl` says whether a launch on a tensor's
+device takes it, :func:`pdl_launch` gives the launch keywords.  Every kernel that can be launched so takes a
+``PDL`` constexpr and begins ``if PDL: gdc_wait(); gdc_launch_dependents()``, before any early return.  A kernel
+launched with ``launch_pdl=True`` may start while the kernel before it on the stream is still running; its
+programs wait (``griddepcontrol.wait``) for that kernel's completion and memory before touching anything, then
+let the next kernel launch.  What overlaps is the launch and scheduling of a kernel with the tail of the one
+before: at batch-1 decode, ~2,000 launches a step of a few µs each.
 """
 
 from __future__ import annotations
@@ -36,6 +44,16 @@ except ImportError:  # CPU-only wheels
     HAS_TRITON = False
 else:
     HAS_TRITON = True
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    HAS_GDC = True
+except ImportError:  # no Triton, or one without the griddepcontrol intrinsics (before 3.4)
+    gdc_wait = gdc_launch_dependents = None
+    HAS_GDC = False
+
+PDL_ENV = "VLLM_DSV41_PDL"
+DEFAULT_PDL = "0"
 
 
 ROW_COUNT_ARGS = ("T",)
@@ -75,6 +93,36 @@ def interpreting() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``, read as Triton reads it): there
     ``tl.dot`` takes no bf16 operands, so the kernels multiply in fp32."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
+def pdl_setting() -> bool:
+    """``VLLM_DSV41_PDL``: 1 launches the decode path's Triton kernels with programmatic dependent launch, 0 (the
+    default until a GPU measures it) without; anything else fails naming the variable."""
+    v = os.environ.get(PDL_ENV, DEFAULT_PDL).strip() or DEFAULT_PDL
+    if v not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
+def pdl(t) -> bool:
+    """Whether kernels launched on ``t``'s device take PDL: the setting, a CUDA tensor of sm_90 or later, a Triton
+    with the intrinsics, and not the interpreter (which has no grids to overlap)."""
+    if not (HAS_GDC and t.is_cuda) or interpreting() or not pdl_setting():
+        return False
+    return _cuda_capability(t.device.index if t.device.index is not None else 0) >= (9, 0)
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    import torch
+
+    return torch.cuda.get_device_capability(index)
+
+
+def pdl_launch(on: bool) -> dict:
+    """The launch keywords for a kernel taking ``PDL=on``: ``launch_pdl`` only when on, so the interpreter and
+    Triton releases without the option never see it."""
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
 
 def jit_with_e2m1(module: dict, name: str):
@@ -125,4 +173,5 @@ def launch_fitting(name: str, launch: Callable[[dict], None], configs: Iterable[
     raise RuntimeError(f"{name}: no launch config fits this GPU (tried {configs}): {error}") from error
 
 
-__all__ = ["triton", "tl", "HAS_TRITON", "hw_fp8", "interpreting", "jit_with_e2m1", "launch_fitting", "sm_count"]
+__all__ = ["triton", "tl", "HAS_TRITON", "gdc_launch_dependents", "gdc_wait", "hw_fp8", "interpreting", "jit_with_e2m1",
+           "launch_fitting", "pdl", "pdl_launch", "sm_count"]

@@ -45,7 +45,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, env_rows
-from vllm_dsv41.ops._triton import ROW_COUNT_ARGS
+from vllm_dsv41.ops._triton import ROW_COUNT_ARGS, gdc_launch_dependents, gdc_wait, pdl, pdl_launch
 from vllm_dsv41.reference.model import apply_rope, rms_norm
 
 __all__ = ["compress_insert", "compress_insert_ref"]
@@ -274,8 +274,11 @@ def _compress_insert_kernel(
     T, eps,
     stride_kv, stride_prev, stride_wk_o, stride_wk_i, stride_cc, stride_ic,
     RATIO: tl.constexpr, D: tl.constexpr, ID: tl.constexpr, R: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STORE_FLOATS: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, STORE_FLOATS: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     in_range = rows < T
     pos = tl.load(pos_ptr + rows, mask=in_range, other=0).to(tl.int64)
@@ -331,9 +334,12 @@ def _encode_records_kernel(
     x_ptr,    # [N, W] fp32 rows
     out_ptr,  # uint8 [N, W/2 + W/GS]
     N, stride_x, stride_o,
-    W: tl.constexpr, NVFP4: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr,
+    W: tl.constexpr, NVFP4: tl.constexpr, GS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     # The record encoders alone (the same helpers as the fused kernel), for exactness tests.
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     m = rows < N
     rows64 = rows.to(tl.int64)
@@ -427,6 +433,7 @@ def _compress_insert_triton(kv_score: torch.Tensor, prev: torch.Tensor | None, p
         kv_score.stride(0), prev.stride(0), wk.stride(0), wk.stride(1), comp_cache.stride(0), idx_cache.stride(0),
         RATIO=ratio, D=D, ID=ID, R=R, BLOCK_T=block_t, BLOCK_D=block_d, STORE_FLOATS=float_out is not None,
         num_warps=num_warps,
+        **pdl_launch(pdl(kv_score)),
     )
 
 
@@ -441,7 +448,8 @@ def _encode_records_triton(x: torch.Tensor, kind: str) -> torch.Tensor:
         _, kernel = _kernels()
         block = 16
         kernel[((x2.shape[0] + block - 1) // block,)](x2, out, x2.shape[0], x2.stride(0), out.stride(0),
-                                                      W=W, NVFP4=nv, GS=16 if nv else 32, BLOCK_N=block)
+                                                      W=W, NVFP4=nv, GS=16 if nv else 32, BLOCK_N=block,
+                                                      **pdl_launch(pdl(x2)))
     return out.reshape(*x.shape[:-1], rec)
 
 

@@ -35,7 +35,9 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import HAS_TRITON, hw_fp8 as _hw_fp8, interpreting, sm_count, tl, triton
+from vllm_dsv41.ops._triton import (
+    HAS_TRITON, gdc_launch_dependents, gdc_wait, hw_fp8 as _hw_fp8, interpreting, pdl, pdl_launch, sm_count, tl, triton,
+)
 
 if HAS_TRITON:  # the record decoders of sparse_attn: E4M3 (hardware or bit by bit) and UE8M0
     from vllm_dsv41.ops.sparse_attn import _e4m3_to_f32, _e8m0_to_f32
@@ -81,8 +83,11 @@ def _fp8_gemm_kernel(
     M, N, K, k_per_split, NG,     # NG: weight rows (output columns) per group
     stride_xm, stride_wn, stride_sn, stride_pm,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, SPLIT_K: tl.constexpr, HW_FP8: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_g = tl.program_id(2)
@@ -115,7 +120,10 @@ def _fp8_gemm_kernel(
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < MN
     acc = tl.zeros([BLOCK], dtype=tl.float32)
@@ -129,7 +137,8 @@ def _sum_splits(part: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tens
     ``out`` itself."""
     if split > 1:
         block = 1024
-        _split_sum_kernel[(-(-out.numel() // block),)](part, out, out.numel(), SPLIT_K=split, BLOCK=block, num_warps=4)
+        _split_sum_kernel[(-(-out.numel() // block),)](part, out, out.numel(), SPLIT_K=split, BLOCK=block, num_warps=4,
+                                                       **pdl_launch(pdl(part)))
     return out
 
 
@@ -172,7 +181,7 @@ def _fp8_gemm_triton(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, grou
     _fp8_gemm_kernel[(-(-(N // groups) // p["BLOCK_N"]), split, groups)](
         x, w8, s8, part, M, N, K, p["k_per_split"], N // groups, x.stride(0), w8.stride(0), s8.stride(0), N,
         BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], SPLIT_K=split, HW_FP8=bool(hw_fp8),
-        DOT_F32=interpreting(), num_warps=p["num_warps"], num_stages=p["num_stages"])
+        DOT_F32=interpreting(), num_warps=p["num_warps"], num_stages=p["num_stages"], **pdl_launch(pdl(x)))
     return _sum_splits(part, out, split)
 
 
@@ -226,8 +235,11 @@ def _fp8_rows_kernel(
     M, N, K, k_per_split, NG,
     stride_xm, stride_wn, stride_pm,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    HW_FP8: tl.constexpr, DOT_F32: tl.constexpr,
+    HW_FP8: tl.constexpr, DOT_F32: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_g = tl.program_id(2)
@@ -303,7 +315,7 @@ def _fp8_rows_gemm_triton(x: torch.Tensor, w8: torch.Tensor, w_scale: torch.Tens
         x, w, s, part, M, N, K, p["k_per_split"], N // groups, x.stride(0), w.stride(0), N,
         BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], BLOCK_K=p["BLOCK_K"], SPLIT_K=split,
         HW_FP8=bool(hw_fp8) and not interpreting(), DOT_F32=interpreting(), num_warps=p["num_warps"],
-        num_stages=p["num_stages"])
+        num_stages=p["num_stages"], **pdl_launch(pdl(x)))
     return _sum_splits(part, out, split)
 
 

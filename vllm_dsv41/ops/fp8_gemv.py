@@ -32,7 +32,9 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, fp8_gemm
-from vllm_dsv41.ops._triton import HAS_TRITON, interpreting, sm_count, tl, triton
+from vllm_dsv41.ops._triton import (
+    HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, pdl, pdl_launch, sm_count, tl, triton,
+)
 
 MAX_M = 16
 """Rows the kernel serves (the token side of one MMA tile); more go through the reference arithmetic."""
@@ -83,7 +85,11 @@ def _fp8_gemv_kernel(
     M, N, K, NG, k_per_split, stride_xm, floor,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
     SPLIT_K: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr, PREQUANT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_g = tl.program_id(2)
@@ -233,7 +239,7 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w8: torch.Tensor, w_scale:
         p["k_per_split"], x.stride(0), formats.FP8_TOKEN_SCALE_FLOOR,
         BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], BLOCK_K=p["BLOCK_K"], AMAX_K=min(8192, triton.next_power_of_2(K)),
         SPLIT_K=split, THREADS=32 * p["num_warps"], INTERPRET=interpreting(), PREQUANT=xs is not None,
-        num_warps=p["num_warps"], num_stages=p["num_stages"])
+        num_warps=p["num_warps"], num_stages=p["num_stages"], **pdl_launch(pdl(x)))
     return out
 
 

@@ -41,7 +41,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import hw_fp8, interpreting, sm_count
+from vllm_dsv41.ops._triton import gdc_launch_dependents, gdc_wait, hw_fp8, interpreting, pdl, pdl_launch, sm_count
 from vllm_dsv41.reference.model import index_scores as _reference_index_scores
 
 __all__ = ["index_scores", "index_scores_ref"]
@@ -158,8 +158,11 @@ def _index_scores_kernel(
     stride_qt, stride_qh, stride_qd, stride_wt, stride_wh, stride_c, stride_bt, stride_o,
     IH: tl.constexpr, IH_P: tl.constexpr, ID: tl.constexpr, ROWS_PER_BLOCK: tl.constexpr,
     BLOCK_N: tl.constexpr, TILES: tl.constexpr, ALIGN: tl.constexpr,
-    SPLIT_Q: tl.constexpr, ASM: tl.constexpr, F32_DOT: tl.constexpr,
+    SPLIT_Q: tl.constexpr, ASM: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     first = tl.program_id(1) * (TILES * BLOCK_N)
     n = tl.minimum(tl.load(nvis_ptr + t), n_max)
@@ -289,6 +292,7 @@ def _index_scores_triton(q: torch.Tensor, w: torch.Tensor, idx_cache: torch.Tens
         BLOCK_N=block_n, TILES=tiles, ALIGN=align,
         SPLIT_Q=q.dtype != torch.bfloat16, ASM=decode == "asm", F32_DOT=interp,
         num_warps=num_warps,
+        **pdl_launch(pdl(q)),
     )
     return out
 

@@ -96,7 +96,9 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, env_rows
-from vllm_dsv41.ops._triton import ROW_COUNT_ARGS, interpreting, sm_count
+from vllm_dsv41.ops._triton import (
+    ROW_COUNT_ARGS, gdc_launch_dependents, gdc_wait, interpreting, pdl, pdl_launch, sm_count,
+)
 from vllm_dsv41.reference.model import sinkhorn
 
 # Bound to ``triton.language`` by ``_triton()`` on first CUDA use, so this module imports without Triton.
@@ -220,8 +222,11 @@ def _mhc_pre_kernel(
     C: tl.constexpr, NMIX: tl.constexpr, NP: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
     FUSE_POST: tl.constexpr, BF16_SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, PROJECT: tl.constexpr,
-    COLLAPSE: tl.constexpr = True, AMAX: tl.constexpr = False, ADD_Y2: tl.constexpr = False,
+    COLLAPSE: tl.constexpr = True, AMAX: tl.constexpr = False, ADD_Y2: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_t = tl.program_id(0)
     pid_s = tl.program_id(1)
     # Move every token-indexed pointer to this block's first token in 64-bit scalar arithmetic (T*C*H
@@ -340,7 +345,11 @@ def _mhc_pre_epilogue_kernel(
     stride_qt, stride_qh,
     C: tl.constexpr, NMIX: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, QUANT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_t = tl.program_id(0)
     pid_h = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -433,8 +442,11 @@ def _mhc_post_kernel(
     stride_pot, stride_poc,
     stride_cot, stride_coi, stride_coj,
     stride_ot, stride_oc, stride_oh,
-    C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ADD_Y2: tl.constexpr,
+    C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, ADD_Y2: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     t0 = (tl.program_id(0) * BLOCK_T).to(tl.int64)
     s_ptr += t0 * stride_st
     y_ptr += t0 * stride_yt
@@ -661,6 +673,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
         ADD_Y2=add_y2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch(pdl(stream)),
     )
     if not project:  # the kernel left the projection columns 0: split 0 takes the whole product
         v = (new_stream if fuse else stream).reshape(T, C * H)
@@ -674,6 +687,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         1.0 / (C * H), 1.0 / H, eps, hc_eps, iters, 0.0,
         *part.stride(), *x.stride(), *pre.stride(), *post.stride(), *comb.stride(), 0, 0,
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
+        **pdl_launch(pdl(part)),
     )
     return new_stream, x, pre, post, comb
 
@@ -719,6 +733,7 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True, AMAX=quant, ADD_Y2=add_y2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch(pdl(stream)),
     )
     ep_t, ep_h = 8, 512
     nhb = _cdiv(H, ep_h)
@@ -731,6 +746,7 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
         1.0 / (C * H), 1.0 / H, eps, 0.0, 1, formats.FP8_TOKEN_SCALE_FLOOR,
         *part.stride(), *x.stride(), 0, 0, 0, 0, 0, 0, 0, *(q8.stride() if quant else (0, 0)),
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, QUANT=quant, num_warps=4,
+        **pdl_launch(pdl(part)),
     )
     return (new_stream, x, codes, scales) if quant else (new_stream, x)
 
@@ -757,6 +773,7 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=False, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
         COLLAPSE=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **pdl_launch(pdl(stream)),
     )
     if not project:
         v = stream.reshape(T, C * H)
@@ -769,6 +786,7 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
         1.0 / (C * H), 1.0 / H, eps, hc_eps, iters, 0.0,
         *part.stride(), 0, 0, *pre.stride(), *post.stride(), *comb.stride(), 0, 0,
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=512, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
+        **pdl_launch(pdl(part)),
     )
     return pre, post, comb
 
@@ -829,6 +847,7 @@ def _mhc_post_triton(stream, y, post, comb, y2=None, config: dict | None = None)
         stream, y, y2_, post, comb, out, T, H,
         *stream.stride(), *y.stride(), *y2_.stride(), *post.stride(), *comb.stride(), *out.stride(),
         C=C, BLOCK_T=cfg["block_t"], BLOCK_H=cfg["block_h"], ADD_Y2=y2 is not None, num_warps=cfg["num_warps"],
+        **pdl_launch(pdl(stream)),
     )
     return out
 

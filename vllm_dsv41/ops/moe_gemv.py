@@ -50,7 +50,9 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, fp8_gemv
-from vllm_dsv41.ops._triton import HAS_TRITON, interpreting, tl, triton
+from vllm_dsv41.ops._triton import (
+    HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, pdl, pdl_launch, tl, triton,
+)
 from vllm_dsv41.ops.moe_mxfp4 import _check
 from vllm_dsv41.reference.model import clamped_swiglu_act
 
@@ -173,7 +175,10 @@ def _mxfp8_quant(v, floor, INTERPRET: tl.constexpr):
 
 @triton.jit
 def _mxfp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, floor, BLOCK_G: tl.constexpr, G: tl.constexpr,
-                       INTERPRET: tl.constexpr):
+                       INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     gs = tl.program_id(1) * BLOCK_G + tl.arange(0, BLOCK_G)
     ok = gs < K // 32
@@ -187,7 +192,10 @@ def _mxfp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, stride_x, floor, BLOCK_G: tl.cons
 def _up_kernel(xd_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hd_ptr, hs_ptr, part_ptr, lock_ptr,
                K, I, k_slots, stride_we, stride_wn, stride_se, stride_sn, limit, floor,
                BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, G: tl.constexpr, H_G: tl.constexpr,
-               EVEN: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr):
+               EVEN: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     p = tl.program_id(2)                                   # the (token, slot) pair t * k + j
@@ -244,7 +252,10 @@ def _up_kernel(xd_ptr, xs_ptr, w_ptr, s_ptr, idx_ptr, hd_ptr, hs_ptr, part_ptr, 
 def _down_kernel(hd_ptr, hs_ptr, w_ptr, s_ptr, idx_ptr, wts_ptr, out_ptr, part_ptr, lock_ptr,
                  H, I, stride_we, stride_wn, stride_se, stride_sn,
                  BLOCK_N: tl.constexpr, K_SLOTS: tl.constexpr, G: tl.constexpr, EVEN: tl.constexpr,
-                 THREADS: tl.constexpr, INTERPRET: tl.constexpr):
+                 THREADS: tl.constexpr, INTERPRET: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_n = tl.program_id(0)
     j = tl.program_id(1)
     t = tl.program_id(2)
@@ -373,14 +384,14 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     x = x.contiguous()
     warps, stages = p["num_warps"], p["num_stages"]
     _mxfp8_rows_kernel[(T, -(-(H // 32) // 8))](x, xd, xs, H, x.stride(0), floor, BLOCK_G=8, G=ug, INTERPRET=interp,
-                                                num_warps=1)
+                                                num_warps=1, **pdl_launch(pdl(x)))
     tiles = -(-I // bn)
     part = torch.empty(T * k, split, 2, I, dtype=torch.float32, device=dev) if split > 1 else xs
     locks = fp8_gemv._locks(dev, T * k * tiles) if split > 1 else xs
     _up_kernel[(tiles, split, T * k)](xd, xs, w13, s13, ids, hd, hs, part, locks, H, I, k, w13.stride(0),
                                       w13.stride(1), s13.stride(0), s13.stride(1), limit, floor, BLOCK_N=bn,
                                       SPLIT_K=split, G=ug, H_G=dg, EVEN=(H // 32) % ug == 0, THREADS=32 * warps,
-                                      INTERPRET=interp, num_warps=warps, num_stages=stages)
+                                      INTERPRET=interp, num_warps=warps, num_stages=stages, **pdl_launch(pdl(xd)))
     bn = p["DOWN_BLOCK_N"]
     tiles = -(-H // bn)
     part = torch.empty(T, k, H, dtype=torch.float32, device=dev) if k > 1 else out
@@ -388,7 +399,7 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     _down_kernel[(tiles, k, T)](hd, hs, w2, s2, ids, wts.reshape(-1).float().contiguous(), out, part, locks, H, I,
                                 w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), BLOCK_N=bn, K_SLOTS=k, G=dg,
                                 EVEN=(I // 32) % dg == 0, THREADS=32 * warps, INTERPRET=interp, num_warps=warps,
-                                num_stages=stages)
+                                num_stages=stages, **pdl_launch(pdl(hd)))
     return out
 
 

@@ -15,6 +15,7 @@ import functools
 import torch
 
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import gdc_launch_dependents, gdc_wait, pdl, pdl_launch
 
 __all__ = ["paged_rows", "paged_rows_ref"]
 
@@ -34,7 +35,10 @@ tl = None  # triton.language, bound by _kernels()
 
 
 def _paged_rows_kernel(bt_ptr, req_ptr, ent_ptr, out_ptr, K, M, stride_bt, stride_ent, stride_out, bstep, rstep,
-                       E: tl.constexpr, BLOCK_K: tl.constexpr):
+                       E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     r = tl.program_id(0).to(tl.int64)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     inb = k < K
@@ -73,7 +77,7 @@ def _paged_rows_triton(block_table: torch.Tensor, req: torch.Tensor, entries: to
     block = min(1024, max(16, 1 << (K - 1).bit_length()))
     _kernels()[(R, -(-K // block))](block_table, req.contiguous(), entries, out, K, block_table.shape[1],
                                     block_table.stride(0), entries.stride(0), out.stride(0), bstep, rstep,
-                                    E=rows_per_block, BLOCK_K=block, num_warps=4)
+                                    E=rows_per_block, BLOCK_K=block, num_warps=4, **pdl_launch(pdl(block_table)))
     return out
 
 

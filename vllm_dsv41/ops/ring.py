@@ -33,7 +33,7 @@ import functools
 import torch
 
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import ROW_COUNT_ARGS
+from vllm_dsv41.ops._triton import ROW_COUNT_ARGS, gdc_launch_dependents, gdc_wait, pdl, pdl_launch
 
 __all__ = ["ring_step", "ring_step_ref"]
 
@@ -81,8 +81,11 @@ tl = None  # triton.language, bound by _kernels()
 
 def _ring_step_kernel(rows_ptr, pos_ptr, req_ptr, seq_ptr, rb_ptr, slot_ptr, ring_ptr, prev_ptr, T, W,
                       stride_rows, stride_ring, stride_prev, capacity, rows_per_block, bstep, rstep,
-                      WRITE: tl.constexpr, BLOCK: tl.constexpr):
+                      WRITE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     # program (row t, column block); WRITE 0: prev[t], 1: the ring write of row t (a second launch)
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < W
@@ -142,8 +145,9 @@ def _ring_step_triton(rows: torch.Tensor, positions: torch.Tensor, req: torch.Te
             ring.stride(0), prev.stride(0), capacity, rows_per_block, bstep, rstep)
     block = min(BLOCK, 1 << max(0, (W - 1).bit_length()))
     grid = (T, -(-W // block))
-    kernel[grid](*args, WRITE=False, BLOCK=block, num_warps=4)
-    kernel[grid](*args, WRITE=True, BLOCK=block, num_warps=4)
+    on = pdl(rows)
+    kernel[grid](*args, WRITE=False, BLOCK=block, num_warps=4, **pdl_launch(on))
+    kernel[grid](*args, WRITE=True, BLOCK=block, num_warps=4, **pdl_launch(on))
     return prev
 
 

@@ -22,6 +22,7 @@ import functools
 import torch
 
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import gdc_launch_dependents, gdc_wait, pdl, pdl_launch
 from vllm_dsv41.reference.model import apply_rope
 
 __all__ = ["rope", "rope_", "rope_ref"]
@@ -47,7 +48,10 @@ tl = None  # triton.language, bound by _kernels()
 
 
 def _rope_kernel(x_ptr, pos_ptr, freq_ptr, HEADS, stride_t, stride_h,
-                 D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+                 D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)  # one token, BLOCK_H of its head rows
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     c, s = _cos_sin(tl.load(pos_ptr + t).to(tl.float32), tl.load(freq_ptr + tl.arange(0, R // 2)))  # once a token
@@ -88,7 +92,7 @@ def _rope_inplace_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: tor
     block_h = min(64, 1 << max(0, (heads - 1).bit_length()))
     _kernels()[(T, -(-heads // block_h))](
         x3, positions.contiguous(), inv_freq.float().contiguous(), heads, x3.stride(0), x3.stride(1),
-        D=D, R=R, BLOCK_H=block_h, num_warps=4 if block_h * R >= 2048 else 1)
+        D=D, R=R, BLOCK_H=block_h, num_warps=4 if block_h * R >= 2048 else 1, **pdl_launch(pdl(x3)))
 
 
 def _rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,10 @@ import torch.nn.functional as F
 
 from vllm_dsv41.ops import define_op
 
-from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, interpreting, sm_count, tl, triton
+from vllm_dsv41.ops._triton import (
+    HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, gdc_launch_dependents, gdc_wait, interpreting, pdl, pdl_launch, sm_count,
+    tl, triton,
+)
 from vllm_dsv41.reference.model import top_indices as _top_indices
 
 
@@ -142,8 +145,11 @@ def _router_gemm_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_X: tl.constexpr, FUSE_EPILOGUE: tl.constexpr,
     ARRIVALS: tl.constexpr,
-    TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, EPI_T: tl.constexpr,
+    TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, EPI_T: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid_e = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -215,8 +221,11 @@ def _router_epilogue_kernel(
     part_ptr, bias_ptr, ids_ptr, wts_ptr,   # as in _router_epilogue
     T, E, routed_scaling, stride_it, stride_wt,
     ROWS: tl.constexpr, SPLIT_K: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-    E_POW2: tl.constexpr, EPI_T: tl.constexpr,
+    E_POW2: tl.constexpr, EPI_T: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     row_begin = tl.program_id(0) * ROWS
     row_end = tl.minimum(row_begin + ROWS, T)
     _router_epilogue(part_ptr, bias_ptr, ids_ptr, wts_ptr, row_begin, row_end, T, E, routed_scaling,
@@ -309,12 +318,12 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
         ids.stride(0), wts.stride(0),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=even_k,
         UPCAST=upcast, SPLIT_X=split_x, FUSE_EPILOGUE=fuse_epilogue, ARRIVALS=triton.cdiv(E, block_e) * split_k,
-        **common, **cfg)
+        **common, **cfg, **pdl_launch(pdl(x)))
     if not fuse_epilogue:
         rows = 4
         _router_epilogue_kernel[(triton.cdiv(T, rows),)](
             part, bias, ids, wts, T, E, float(routed_scaling), ids.stride(0), wts.stride(0),
-            ROWS=rows, SPLIT_K=split_k, **common, num_warps=4)
+            ROWS=rows, SPLIT_K=split_k, **common, num_warps=4, **pdl_launch(pdl(part)))
     return ids, wts
 
 

@@ -67,7 +67,9 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, triton_available
-from vllm_dsv41.ops._triton import hw_fp8 as _hw_fp8, launch_fitting, sm_count
+from vllm_dsv41.ops._triton import (
+    gdc_launch_dependents, gdc_wait, hw_fp8 as _hw_fp8, launch_fitting, pdl, pdl_launch, sm_count,
+)
 from vllm_dsv41.reference.model import apply_rope, sparse_attention
 
 try:  # Triton is optional: the CPU wheels run the reference only
@@ -417,8 +419,11 @@ if triton is not None:
         D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_COMP: tl.constexpr, HW_FP8: tl.constexpr, DOT_PREC: tl.constexpr, P_BF16: tl.constexpr,
         DOT_F32: tl.constexpr, SWA_ALIGNED: tl.constexpr, COMP_ALIGNED: tl.constexpr, PAIR_IO: tl.constexpr,
-        SKIP_EMPTY: tl.constexpr, V_SPLIT: tl.constexpr,
+        SKIP_EMPTY: tl.constexpr, V_SPLIT: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        if PDL:  # programmatic dependent launch: the previous kernel first
+            gdc_wait()
+            gdc_launch_dependents()
         HALF: tl.constexpr = D // 2
         PV: tl.constexpr = HALF // V_SPLIT  # value pairs per program
         n_hg = tl.cdiv(Hq, BLOCK_H)
@@ -505,8 +510,11 @@ if triton is not None:
         sink_ptr, pos_ptr, inv_freq_ptr,
         out_ptr,          # [T, Hq, D]
         Hq, NUM_SPLITS, stride_ot, stride_oh,
-        D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, PAIR_IO: tl.constexpr,
+        D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, PAIR_IO: tl.constexpr, PDL: tl.constexpr = False,
     ):
+        if PDL:  # programmatic dependent launch: the previous kernel first
+            gdc_wait()
+            gdc_launch_dependents()
         HALF: tl.constexpr = D // 2
         n_hg = tl.cdiv(Hq, BLOCK_H)
         pid = tl.program_id(0)
@@ -676,7 +684,8 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
             comp_cache.stride(0), comp_slots.stride(0), out.stride(0), out.stride(1))
     flags = dict(D=D, R=R, HAS_COMP=has_comp, HW_FP8=bool(hw_fp8), DOT_PREC=dot_prec,
                  P_BF16=q.dtype == torch.bfloat16, DOT_F32=dot_f32, SKIP_EMPTY=bool(skip_empty),
-                 SWA_ALIGNED=_rows_aligned(swa_cache), COMP_ALIGNED=_rows_aligned(comp_cache), PAIR_IO=pair_io)
+                 SWA_ALIGNED=_rows_aligned(swa_cache), COMP_ALIGNED=_rows_aligned(comp_cache), PAIR_IO=pair_io,
+                 **pdl_launch(pdl(q)))
     if config is not None:
         if SPLIT_ALIGN % config["BLOCK_N"]:
             raise ValueError(f"sparse_attn: BLOCK_N must divide {SPLIT_ALIGN}")
@@ -701,7 +710,7 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
             bh //= 2
         _sparse_attn_combine_kernel[(T * triton.cdiv(Hq, bh),)](
             part_acc, part_ml, sink, positions, inv_freq, out, Hq, S, out.stride(0), out.stride(1),
-            D=D, R=R, BLOCK_H=bh, PAIR_IO=pair_io, num_warps=4)
+            D=D, R=R, BLOCK_H=bh, PAIR_IO=pair_io, num_warps=4, **pdl_launch(flags["PDL"]))
     return out
 
 

@@ -25,6 +25,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops._triton import gdc_launch_dependents, gdc_wait, pdl, pdl_launch
 from vllm_dsv41.reference.model import apply_rope, rms_norm
 
 __all__ = ["swa_insert", "swa_insert_ref"]
@@ -59,7 +60,10 @@ tl = None  # triton.language, bound by _kernels()
 
 
 def _swa_insert_kernel(kv_ptr, w_ptr, pos_ptr, slot_ptr, freq_ptr, cache_ptr, eps, stride_kv, stride_c,
-                       D: tl.constexpr, R: tl.constexpr):
+                       D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
@@ -130,7 +134,7 @@ def _swa_insert_triton(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, 
         return
     _kernels()[(T,)](kv, norm_weight.contiguous(), positions.contiguous(), slots.to(torch.int64).contiguous(),
                      inv_freq.float().contiguous(), cache, float(eps), kv.stride(0), cache.stride(0),
-                     D=D, R=R, num_warps=4)
+                     D=D, R=R, num_warps=4, **pdl_launch(pdl(kv)))
 
 
 def _swa_insert_fake(kv, norm_weight, eps, positions, inv_freq, slots, cache) -> None:

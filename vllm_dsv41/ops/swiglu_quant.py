@@ -21,7 +21,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op
-from vllm_dsv41.ops._triton import ROW_COUNT_ARGS
+from vllm_dsv41.ops._triton import ROW_COUNT_ARGS, gdc_launch_dependents, gdc_wait, pdl, pdl_launch
 from vllm_dsv41.reference.model import clamped_swiglu_act
 
 __all__ = ["swiglu_quant", "swiglu_quant_ref"]
@@ -47,7 +47,10 @@ tl = None  # triton.language, bound by _kernels()
 
 
 def _swiglu_quant_kernel(y_ptr, h_ptr, q_ptr, s_ptr, T, I, limit, floor, stride_yt, stride_ht, stride_qt,
-                         BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+                         BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     yrow, hrow, qrow = y_ptr + t * stride_yt, h_ptr + t * stride_ht, q_ptr + t * stride_qt
     if ONE_PASS:  # BLOCK >= I: the row stays in registers
@@ -124,7 +127,7 @@ def _swiglu_quant_triton(y: torch.Tensor, limit: float, block: int | None = None
         block = block or (pow2 if pow2 <= MAX_ONE_PASS else BLOCK_I)
         _kernels()[(T,)](y, h, q8, s, T, n, float(limit), formats.FP8_TOKEN_SCALE_FLOOR,
                          y.stride(0), h.stride(0), q8.stride(0), BLOCK=block, ONE_PASS=block >= n,
-                         num_warps=max(4, min(16, block // 512)))
+                         num_warps=max(4, min(16, block // 512)), **pdl_launch(pdl(y)))
     return h, q, s
 
 

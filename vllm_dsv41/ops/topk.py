@@ -68,7 +68,9 @@ import torch.nn.functional as F
 
 from vllm_dsv41.ops import define_op, env_rows
 
-from vllm_dsv41.ops._triton import HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, tl, triton
+from vllm_dsv41.ops._triton import (
+    HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, gdc_launch_dependents, gdc_wait, pdl, pdl_launch, tl, triton,
+)
 from vllm_dsv41.reference.model import top_indices as _top_indices
 
 
@@ -330,8 +332,12 @@ def _topk_select_kernel(
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, OUT_BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr,
     CAND_BITS: tl.constexpr, CAND_BINS: tl.constexpr, ROW_BITS: tl.constexpr, ROW_BINS: tl.constexpr,
     STAGES: tl.constexpr, IN_REGS: tl.constexpr, REG_BITS: tl.constexpr, REG_BINS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # IN_REGS: every row fits one tile (N <= BLOCK) and is selected in registers
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     cand_key = cand_key_ptr + pid.to(tl.int64) * stride_c
     cand_idx = cand_idx_ptr + pid.to(tl.int64) * stride_c
@@ -363,7 +369,11 @@ def _candidate_blocks_kernel(
     BS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr, GROUPS: tl.constexpr,
     OUT_BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr, CAND_BITS: tl.constexpr,
     CAND_BINS: tl.constexpr, ROW_BITS: tl.constexpr, ROW_BINS: tl.constexpr, STAGES: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     bkeys = bkey_ptr + pid.to(tl.int64) * stride_b
     cand_key = cand_key_ptr + pid.to(tl.int64) * stride_c
@@ -472,7 +482,7 @@ def _topk_select_triton(scores: torch.Tensor, n_vis: torch.Tensor, topk: int,
     _topk_select_kernel[(programs,)](
         scores, n_vis, out, cand[0], cand[1], T, N, topk, cap,
         scores.stride(0), out.stride(0), cand.stride(1),
-        OUT_BLOCK=min(1024, triton.next_power_of_2(topk)), **_launch_args(cfg))
+        OUT_BLOCK=min(1024, triton.next_power_of_2(topk)), **_launch_args(cfg), **pdl_launch(pdl(scores)))
     return out
 
 
@@ -499,7 +509,7 @@ def _candidate_blocks_triton(scores: torch.Tensor, n_vis: torch.Tensor, block_si
         scores, n_vis, out, bkeys, cand[0], cand[1], T, N, n_blocks, cap,
         scores.stride(0), out.stride(0), bkeys.stride(0), cand.stride(1),
         BS=block_size, BLOCK_B=max(1, 2048 // block_size),
-        OUT_BLOCK=min(1024, triton.next_power_of_2(n_blocks)), **_launch_args(cfg))
+        OUT_BLOCK=min(1024, triton.next_power_of_2(n_blocks)), **_launch_args(cfg), **pdl_launch(pdl(scores)))
     return out
 
 
