@@ -80,7 +80,8 @@ def sm90_build(kernel, signature: dict, constexprs: dict, num_warps: int, num_st
 
     # constexpr parameters with a default that the test does not name (PDL) take their default, as at a launch
     for name, par in inspect.signature(kernel.fn).parameters.items():
-        if name not in signature and par.default is not inspect.Parameter.empty:
+        if name not in constexprs and signature.get(name, "constexpr") == "constexpr" \
+                and par.default is not inspect.Parameter.empty:
             signature, constexprs = {**signature, name: "constexpr"}, {**constexprs, name: par.default}
     attrs = None
     if divisible_by_16 is not None:

@@ -116,11 +116,11 @@ def _sigs():
           "hd_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "part_ptr": "*fp32", "lock_ptr": "*i32",
           **ints("K", "I", "k_slots", "stride_we", "stride_wn", "stride_se", "stride_sn"), "limit": "fp32",
           "floor": "fp32", **{n: "constexpr" for n in ("BLOCK_N", "SPLIT_K", "G", "H_G", "EVEN", "THREADS",
-                                                            "INTERPRET")}}
+                                                            "INTERPRET", "PDL")}}
     down = {"hd_ptr": "*fp8e4nv", "hs_ptr": "*fp32", "w_ptr": "*u8", "s_ptr": "*u8", "idx_ptr": "*i32",
             "wts_ptr": "*fp32", "out_ptr": "*bf16", "part_ptr": "*fp32", "lock_ptr": "*i32",
             **ints("H", "I", "stride_we", "stride_wn", "stride_se", "stride_sn"),
-            **{n: "constexpr" for n in ("BLOCK_N", "K_SLOTS", "G", "EVEN", "THREADS", "INTERPRET")}}
+            **{n: "constexpr" for n in ("BLOCK_N", "K_SLOTS", "G", "EVEN", "THREADS", "INTERPRET", "PDL")}}
     return up, down
 
 
@@ -167,7 +167,7 @@ def test_kernels_use_the_fp8_mma_and_packed_decode():
     up, _ = _sigs()
     src = ASTSource(fn=mg._up_kernel, signature=up,
                     constexprs={"BLOCK_N": 128, "SPLIT_K": 2, "G": 8, "H_G": 8, "EVEN": True, "THREADS": 128,
-                                "INTERPRET": False})
+                                "INTERPRET": False, "PDL": False})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])

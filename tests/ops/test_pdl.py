@@ -70,34 +70,59 @@ def test_kernels_wait_first_and_launches_pass_the_setting(module):
         assert "**pdl_launch(pdl(q))" in src
 
 
+def _compile_case(case: str, pdl: bool):
+    """(kernel, signature, constexprs, options) of a decode kernel at its decode launch: the post-mix (plain loads) and
+    the pre-quantised GEMV (its weight stream software-pipelined: the loads Triton could hoist above the wait)."""
+    if case == "mhc_post":
+        from vllm_dsv41.ops import mhc
+
+        kernel = mhc._kernels().post
+        ptrs = dict(zip(("s_ptr", "y_ptr", "y2_ptr", "post_ptr", "comb_ptr", "out_ptr"),
+                        ("*bf16", "*bf16", "*bf16", "*fp32", "*fp32", "*bf16")))
+        consts = {"C": 4, "BLOCK_T": 1, "BLOCK_H": 1024, "ADD_Y2": False}
+        options = {"num_warps": 4}
+    else:
+        from vllm_dsv41.ops import fp8_gemv as fv
+
+        fv._bind()
+        kernel = fv._fp8_gemv_kernel
+        N, K = 5120, 8192
+        p = fv.plan(1, N, K, 132)
+        ptrs = {"x_ptr": "*fp8e4nv", "xs_ptr": "*fp32", "w_ptr": "*fp8e4nv", "ws_ptr": "*fp32", "out_ptr": "*bf16",
+                "part_ptr": "*fp32", "lock_ptr": "*i32", "floor": "fp32"}
+        consts = {k: p[k] for k in ("BLOCK_N", "BLOCK_M", "BLOCK_K", "SPLIT_K")} | {
+            "AMAX_K": 8192, "THREADS": 32 * p["num_warps"], "INTERPRET": False, "PREQUANT": True}
+        options = {"num_warps": p["num_warps"], "num_stages": p["num_stages"]}
+    consts["PDL"] = pdl
+    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+    return kernel, sig, consts, {**options, "launch_pdl": pdl}
+
+
+@pytest.mark.parametrize("case", ["mhc_post", "fp8_gemv_q"])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_pdl_compiles_to_griddepcontrol(pdl):
-    """For sm_90 (Triton's compiler, no GPU): with PDL the post-mix kernel's PTX opens with ``griddepcontrol.wait``
-    before its first global load, then ``griddepcontrol.launch_dependents``; without it neither appears."""
+def test_pdl_compiles_to_griddepcontrol(case, pdl):
+    """For sm_90 (Triton's compiler, no GPU): with PDL the kernel's PTX opens with ``griddepcontrol.wait`` before its
+    first global load or asynchronous copy (the software pipeliner must not hoist one above it, triton-lang/triton
+    #11905 with the wait inside a K loop), then ``griddepcontrol.launch_dependents``; without it neither appears."""
     pytest.importorskip("triton")
     if not _triton.HAS_GDC:
         pytest.skip("this Triton has no griddepcontrol intrinsics")
+    import re
+
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from vllm_dsv41.ops import mhc
-
-    kernel = mhc._kernels().post
-    ptrs = dict(zip(("s_ptr", "y_ptr", "y2_ptr", "post_ptr", "comb_ptr", "out_ptr"),
-                    ("*bf16", "*bf16", "*bf16", "*fp32", "*fp32", "*bf16")))
-    consts = {"C": 4, "BLOCK_T": 1, "BLOCK_H": 1024, "ADD_Y2": False, "PDL": pdl}
-    sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
+    kernel, sig, consts, options = _compile_case(case, pdl)
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "launch_pdl": pdl})
+                              target=GPUTarget("cuda", 90, 32), options=options)
     ptx = compiled.asm["ptx"]
     if not pdl:
         assert "griddepcontrol" not in ptx
         return
-    wait, launch, load = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents"), \
-        ptx.find("ld.global")
-    assert 0 <= wait < launch < load, (wait, launch, load)
+    wait, launch = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first_mem = min(m.start() for m in re.finditer(r"\b(ld\.global|cp\.async|atom\.|st\.global)", ptx))
+    assert 0 <= wait < launch < first_mem, (wait, launch, first_mem)
     assert compiled.metadata.launch_pdl
 
 
