@@ -54,6 +54,13 @@ def test_kernels_wait_first_and_launches_pass_the_setting(module):
     for k in kernels:
         assert "PDL" in [a.arg for a in k.args.args], f"{module}.{k.name} takes no PDL constexpr"
         body = k.body[1:] if isinstance(k.body[0], ast.Expr) and isinstance(k.body[0].value, ast.Constant) else k.body
+        if isinstance(body[0], ast.If) and isinstance(body[0].test, ast.Name) and body[0].test.id == "PREFETCH":
+            # an L2 prefetch of weights may come first: address arithmetic and prefetch hints, no memory access
+            touched = {n.func.attr for n in ast.walk(body[0]) if isinstance(n, ast.Call)
+                       and isinstance(n.func, ast.Attribute)} & {"load", "store", "atomic_add", "atomic_xchg",
+                                                                 "atomic_cas", "atomic_max", "atomic_min"}
+            assert not touched, f"{module}.{k.name}: the PREFETCH block touches memory ({touched})"
+            body = body[1:]
         first = body[0]
         assert (isinstance(first, ast.If) and isinstance(first.test, ast.Name) and first.test.id == "PDL"
                 and len(first.body) == 2 and _is_gdc_call(first.body[0], "gdc_wait")
@@ -64,13 +71,13 @@ def test_kernels_wait_first_and_launches_pass_the_setting(module):
     assert launches, f"{module}: no launches found"
     for call in launches:
         starred = [ast.get_source_segment(src, kw.value) for kw in call.keywords if kw.arg is None]
-        assert any("pdl_launch" in s or s == "flags" for s in starred), \
+        assert any("pdl_launch" in s or s == "flags" or f"{s} = pdl_launch(" in src for s in starred), \
             f"{module}:{call.lineno}: a launch without **pdl_launch(...)"
     if module == "sparse_attn":  # the kernel's flags (also the launch-config cache key) carry the setting
         assert "**pdl_launch(pdl(q))" in src
 
 
-def _compile_case(case: str, pdl: bool):
+def _compile_case(case: str, pdl: bool, prefetch: bool = False):
     """(kernel, signature, constexprs, options) of a decode kernel at its decode launch: the post-mix (plain loads) and
     the pre-quantised GEMV (its weight stream software-pipelined: the loads Triton could hoist above the wait)."""
     if case == "mhc_post":
@@ -94,6 +101,8 @@ def _compile_case(case: str, pdl: bool):
             "AMAX_K": 8192, "THREADS": 32 * p["num_warps"], "INTERPRET": False, "PREQUANT": True}
         options = {"num_warps": p["num_warps"], "num_stages": p["num_stages"]}
     consts["PDL"] = pdl
+    if prefetch:
+        consts["PREFETCH"] = True
     sig = {n: ptrs.get(n, "constexpr" if n in consts else "i32") for n in kernel.arg_names}
     return kernel, sig, consts, {**options, "launch_pdl": pdl}
 
@@ -124,6 +133,38 @@ def test_pdl_compiles_to_griddepcontrol(case, pdl):
     first_mem = min(m.start() for m in re.finditer(r"\b(ld\.global|cp\.async|atom\.|st\.global)", ptx))
     assert 0 <= wait < launch < first_mem, (wait, launch, first_mem)
     assert compiled.metadata.launch_pdl
+
+
+def test_gemv_prefetch_compiles_before_the_wait():
+    """With ``PREFETCH`` the GEMV's PTX asks L2 for its weight lines (``prefetch.global.L2``) before
+    ``griddepcontrol.wait``, and still reads or writes nothing before it."""
+    pytest.importorskip("triton")
+    if not _triton.HAS_GDC:
+        pytest.skip("this Triton has no griddepcontrol intrinsics")
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, sig, consts, options = _compile_case("fp8_gemv_q", True, prefetch=True)
+    ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                         options=options).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    first_mem = min(m.start() for m in re.finditer(r"\b(ld\.global|cp\.async|atom\.|st\.global)", ptx))
+    assert 0 <= ptx.find("prefetch.global.L2") < wait < first_mem
+
+
+def test_prefetch_setting(monkeypatch):
+    from vllm_dsv41.ops import fp8_gemv
+
+    monkeypatch.delenv(fp8_gemv.PREFETCH_ENV, raising=False)
+    assert fp8_gemv.prefetch_setting() is False
+    monkeypatch.setenv(fp8_gemv.PREFETCH_ENV, "1")
+    assert fp8_gemv.prefetch_setting() is True
+    monkeypatch.setenv(fp8_gemv.PREFETCH_ENV, "2")
+    with pytest.raises(ValueError, match="VLLM_DSV41_PDL_PREFETCH='2': expected 1 or 0"):
+        fp8_gemv.prefetch_setting()
 
 
 @requires_cuda

@@ -27,6 +27,7 @@ Why an op: a batch-1 decode step spends ~2.2 ms in 208 CUTLASS FP8 GEMMs (~2.4 T
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -74,6 +75,14 @@ def _fence(x):
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte line at each address of ``ptrs`` (a hint: nothing waits for it, no register is written;
+    the addresses must lie inside the tensor)."""
+    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+
+
+@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,        # [M, G*K] bf16, or (PREQUANT) [M, K] E4M3 codes (float8e4nv; uint8 in the interpreter)
     xs_ptr,       # (PREQUANT) [M] fp32 per-token scales of those codes
@@ -85,8 +94,13 @@ def _fp8_gemv_kernel(
     M, N, K, NG, k_per_split, stride_xm, floor,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, AMAX_K: tl.constexpr,
     SPLIT_K: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr, PREQUANT: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
+    if PREFETCH:  # (launched with PDL) this program's weight block into L2 while the kernel before still runs
+        pf_rows = tl.minimum(tl.program_id(2) * NG + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+        pf_base = w_ptr + pf_rows.to(tl.int64)[:, None] * K + tl.program_id(1) * k_per_split
+        for pf0 in range(0, k_per_split, 1024):
+            _prefetch_l2(pf_base + tl.minimum(pf0 + tl.arange(0, 8) * 128, k_per_split - 1)[None, :])
     if PDL:  # programmatic dependent launch: the previous kernel first
         gdc_wait()
         gdc_launch_dependents()
@@ -185,6 +199,18 @@ def plan(M: int, N: int, K: int, sms: int, groups: int = 1) -> dict:
                 num_stages=4)
 
 
+PREFETCH_ENV = "VLLM_DSV41_PDL_PREFETCH"
+
+
+def prefetch_setting() -> bool:
+    """``VLLM_DSV41_PDL_PREFETCH``: ``1`` lets a GEMV launched with PDL ask L2 for its weight block before it waits for
+    the kernel before it (the weights never depend on that kernel), ``0`` (default, until a GPU measures it) not."""
+    v = os.environ.get(PREFETCH_ENV, "0").strip() or "0"
+    if v not in ("0", "1"):
+        raise ValueError(f"{PREFETCH_ENV}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
 _LOCKS: dict[tuple, torch.Tensor] = {}
 
 
@@ -234,12 +260,14 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w8: torch.Tensor, w_scale:
     tiles = -(-(N // groups) // p["BLOCK_N"])
     part = torch.empty(split, p["BLOCK_M"], N, dtype=torch.float32, device=x.device) if split > 1 else out
     locks = _locks(x.device, groups * tiles) if split > 1 else out
+    launch = pdl_launch(pdl(x))
+    launch["PREFETCH"] = launch["PDL"] and prefetch_setting()
     _fp8_gemv_kernel[(tiles, split, groups)](
         x, s if xs is None else xs.float().reshape(M).contiguous(), w, s, out, part, locks, M, N, K, N // groups,
         p["k_per_split"], x.stride(0), formats.FP8_TOKEN_SCALE_FLOOR,
         BLOCK_N=p["BLOCK_N"], BLOCK_M=p["BLOCK_M"], BLOCK_K=p["BLOCK_K"], AMAX_K=min(8192, triton.next_power_of_2(K)),
         SPLIT_K=split, THREADS=32 * p["num_warps"], INTERPRET=interpreting(), PREQUANT=xs is not None,
-        num_warps=p["num_warps"], num_stages=p["num_stages"], **pdl_launch(pdl(x)))
+        num_warps=p["num_warps"], num_stages=p["num_stages"], **launch)
     return out
 
 
