@@ -35,6 +35,7 @@ def fp8_weight(n: int, k: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--per-op", action="store_true", help="also each op alone: its layers' calls in one graph")
     args = ap.parse_args()
     triton = open_gpu("bench_pdl")
     if triton is None:
@@ -64,19 +65,28 @@ def main() -> None:
     pre = (torch.sigmoid(torch.randn(1, C, generator=g)) + 1e-6).cuda()
     norm_w = (torch.randn(H, generator=g) * 0.2 + 1.0).bfloat16().cuda()
 
+    calls: dict[str, list] = {}  # op label -> (op, args) of every layer, recorded by an eager run for --per-op
+
+    def call(label, op, *a):
+        calls.setdefault(label, []).append((op, a))
+        return op(*a)
+
     def chain():
         s, y, y2 = stream0, y0, None
         for li, p in enumerate(layers):
-            s, x, q, qs = ops.mhc_post_collapse_quant(s, y, post, comb, pre, norm_w, 1e-6, y2)
-            a = ops.fp8_gemv_q(q, qs, *p["qa"])
-            b = ops.fp8_gemv(a[:, :Q_LORA].contiguous(), *p["qb"])
-            o = ops.fp8_gemv(b, *p["oa"], GROUPS)
-            y = ops.fp8_gemv(o, *p["ob"])
-            s, x, q, qs = ops.mhc_post_collapse_quant(s, y, post, comb, pre, norm_w, 1e-6)
-            h, hq, hs = ops.swiglu_quant(ops.fp8_gemv_q(q, qs, *p["w13"]), LIMIT)
-            y2 = ops.fp8_gemv_q(hq, hs, *p["w2"])
-            ids, wts = ops.router(x, p["gate"], p["bias"], K_SLOTS, 1.0)
-            y = ops.moe_gemv(x, *experts[li % 2], ids, wts, LIMIT)
+            s, x, q, qs = call("attn collapse_quant (+post-mix, y2)", ops.mhc_post_collapse_quant, s, y, post, comb,
+                               pre, norm_w, 1e-6, y2)
+            a = call("wq_a+wkv gemv_q", ops.fp8_gemv_q, q, qs, *p["qa"])
+            b = call("wq_b gemv", ops.fp8_gemv, a[:, :Q_LORA].contiguous(), *p["qb"])
+            o = call("wo_a gemv (8 groups)", ops.fp8_gemv, b, *p["oa"], GROUPS)
+            y = call("wo_b gemv", ops.fp8_gemv, o, *p["ob"])
+            s, x, q, qs = call("ffn collapse_quant (+post-mix)", ops.mhc_post_collapse_quant, s, y, post, comb, pre,
+                               norm_w, 1e-6)
+            h, hq, hs = call("swiglu_quant", ops.swiglu_quant, call("w1+w3 gemv_q", ops.fp8_gemv_q, q, qs, *p["w13"]),
+                             LIMIT)
+            y2 = call("w2 gemv_q", ops.fp8_gemv_q, hq, hs, *p["w2"])
+            ids, wts = call("router", ops.router, x, p["gate"], p["bias"], K_SLOTS, 1.0)
+            y = call("moe_gemv", ops.moe_gemv, x, *experts[li % 2], ids, wts, LIMIT)
         return s, y, y2
 
     results, times = {}, {}
@@ -105,6 +115,24 @@ def main() -> None:
     base = times["off"]
     for name, us in times.items():
         print(f"{name}: {us:.1f} µs a layer, {100 * (base - us) / base:+.1f}% against off")
+    if args.per_op:  # PDL off: each op's calls over the layers (inputs of the recorded eager run) in one graph
+        calls.clear()
+        chain()
+        nmix = (2 + C) * C  # the boundary's coefficients: the model computes them on a side stream
+        fn = torch.randn(nmix, C * H, device="cuda") * (C * H) ** -0.5
+        coeff_args = (stream0, fn, torch.randn(nmix, device="cuda") * 0.5, torch.tensor([0.8, 1.2, 3.0], device="cuda"),
+                      1e-6, 1e-6, 20)
+        calls["mhc_coeffs (a side stream in the model)"] = [(ops.mhc_coeffs, coeff_args)] * len(layers)
+        total = 0.0
+        for label, recorded in calls.items():
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for op, a in recorded:
+                    op(*a)
+            us = triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median") * 1e3 / len(recorded)
+            total += us if "side stream" not in label else 0.0
+            print(f"  {label:36s} {us:6.1f} µs a call")
+        print(f"  {'sum of the chain ops alone':36s} {total:6.1f} µs a layer (the chain: {base:.1f})")
 
 
 if __name__ == "__main__":

@@ -376,7 +376,7 @@ def _ratio(dtype: torch.dtype, name: str = "") -> float:
 def test_cuda_ops_match_reference(op, T):
     t = make_inputs(T, 4, 5120, torch.bfloat16, seed=T, device="cuda")
     args = ARGS[op](t)
-    got = getattr(torch.ops.dsv41, f"mhc_{op}")(*args)
+    got = getattr(torch.ops.dsv41, f"mhc_{OP_OF.get(op, op)}")(*args)
     ref = REFS[op](*args)
     got, ref = (got, ref) if isinstance(ref, tuple) else ((got,), (ref,))
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
@@ -392,7 +392,7 @@ def test_cuda_quantised_collapse(op, T):
     quantisation of that x (as ``formats.quant_fp8_tokens`` computes it)."""
     t = make_inputs(T, 4, 5120, torch.bfloat16, seed=T, device="cuda")
     args = ARGS[op](t)
-    got = getattr(torch.ops.dsv41, f"mhc_{op}")(*args)
+    got = getattr(torch.ops.dsv41, f"mhc_{OP_OF.get(op, op)}")(*args)
     assert_quantised_x(f"mhc_{op} T={T}", got, getattr(torch.ops.dsv41, f"mhc_{QUANT_OPS[op]}")(*args))
 
 
