@@ -67,6 +67,81 @@ def device_gaps(prof) -> tuple[float, float, list[tuple[float, float, str, str]]
     return end - t0, busy, gaps
 
 
+def _union(ivs: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted disjoint intervals covering ``ivs``."""
+    out: list[list[float]] = []
+    for s, e in sorted(ivs):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return [(s, e) for s, e in out]
+
+
+def stream_table(ivs: list[tuple[str, int, float, float]]) -> tuple[int | None, dict[int, dict], dict[str, float]]:
+    """Per stream of ``ivs`` [(kernel name, stream, start µs, end µs)]: (the main stream = the busiest one, {stream:
+    {"busy": µs of the union of its kernels, "kernels": {name: [launches, µs]}}}, {side-stream kernel name: µs of it
+    that ran while the main stream was idle inside its span}).  The last dict is the side streams' work on the
+    critical path: where the main stream waited for it (or for the host)."""
+    streams: dict[int, dict] = {}
+    for name, sid, s, e in ivs:
+        st = streams.setdefault(sid, {"ivs": [], "kernels": defaultdict(lambda: [0, 0.0])})
+        st["ivs"].append((s, e))
+        k = st["kernels"][name]
+        k[0] += 1
+        k[1] += e - s
+    for st in streams.values():
+        st["union"] = _union(st.pop("ivs"))
+        st["busy"] = sum(e - s for s, e in st["union"])
+        st["kernels"] = dict(st["kernels"])
+    if not streams:
+        return None, {}, {}
+    main = max(streams, key=lambda k: streams[k]["busy"])
+    mu = streams[main]["union"]
+    gaps = [(a[1], b[0]) for a, b in zip(mu, mu[1:])]  # the main stream's idle time inside its span
+    exposed: dict[str, float] = defaultdict(float)
+    for name, sid, s, e in ivs:
+        if sid == main:
+            continue
+        for g0, g1 in gaps:
+            if g0 >= e:
+                break
+            exposed[name] += max(0.0, min(e, g1) - max(s, g0))
+    for st in streams.values():
+        st.pop("union")
+    return main, streams, {k: v for k, v in exposed.items() if v > 0}
+
+
+def stream_report(title: str, prof, steps: int, out: str, top: int = 8) -> None:
+    """The kernels of ``prof`` by CUDA stream, per step: each stream's busy time and top kernels, and the side
+    streams' kernels that ran while the main stream stood idle (on the critical path); all rows to
+    ``out``/<title>_streams.tsv."""
+    ivs = [(e.name[:90], int(getattr(e, "device_resource_id", -1)), e.time_range.start, e.time_range.end)
+           for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0]
+    main, streams, exposed = stream_table(ivs)
+    if main is None:
+        return
+    print(f"\n== {title}: by stream (main = {main}, the busiest)")
+    for sid in sorted(streams, key=lambda k: -streams[k]["busy"]):
+        st = streams[sid]
+        ks = sorted(st["kernels"].items(), key=lambda kv: -kv[1][1])
+        n = sum(v[0] for v in st["kernels"].values())
+        print(f"  stream {sid}{' (main)' if sid == main else ''}: busy {st['busy'] / steps / 1e3:.2f} ms a step, "
+              f"{n / steps:.0f} kernels a step")
+        for name, (cnt, us) in ks[:top]:
+            print(f"    {us / steps:9.1f} µs/step {cnt / steps:7.1f}/step  {name}")
+    total = sum(exposed.values())
+    print(f"  side-stream kernels while the main stream was idle: {total / steps / 1e3:.2f} ms a step")
+    for name, us in sorted(exposed.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {us / steps:9.1f} µs/step  {name}")
+    with open(os.path.join(out, f"{title.replace(' ', '_')}_streams.tsv"), "w") as f:
+        f.write("stream\tkernel\tlaunches_per_step\tus_per_step\texposed_us_per_step\n")
+        for sid, st in streams.items():
+            for name, (cnt, us) in st["kernels"].items():
+                ex = exposed.get(name, 0.0) if sid != main else 0.0
+                f.write(f"{sid}\t{name}\t{cnt / steps:.2f}\t{us / steps:.2f}\t{ex / steps:.2f}\n")
+
+
 def host_waits(prof) -> dict[str, tuple[int, float]]:
     """What in the profile made the host wait for the GPU: copies from or to pageable host memory (CUDA syncs the
     stream around them) and the runtime's synchronize calls; name -> (count, µs the host spent in them; 0 for the

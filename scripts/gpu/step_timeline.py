@@ -230,15 +230,17 @@ def _profiler(cuda: bool):
 
 def _report(title: str, prof, cuda: bool, steps: int, out_dir: str, top: int) -> None:
     """``profile_steps.py``'s kernel table of ``prof``, per step, printed and written under ``out_dir``; on a GPU also
-    its idle-time report (the gaps between kernels: where the GPU waited for the host)."""
+    its idle-time report (the gaps between kernels: where the GPU waited for the host) and the kernels by stream (the
+    side streams' work on the critical path)."""
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from profile_steps import gap_report, kernel_table, report
+    from profile_steps import gap_report, kernel_table, report, stream_report
 
     report(title, kernel_table(prof, cuda), steps, out_dir, top=top)
     if cuda:
         gap_report(title, prof, steps, out_dir)
+        stream_report(title, prof, steps, out_dir)
 
 
 def profile_prefill(run, rows: list[dict], live: dict, cuda: bool, out_dir: str) -> None:
