@@ -65,11 +65,19 @@ def main() -> None:
             err = ((got - want).norm() / want.norm()).item()
             out = {"gemv": graph_time(triton, [lambda w=w: torch.ops.dsv41.fp8_gemv(x, w, ws, G) for w in w8s])}
             p = fv.plan(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, G)
+            # session 31: the small shapes' fixed cost (ramp, split-K reduce, tail) is the question; narrow tiles with
+            # wide K steps and no split (one program a row block, ~1 a SM) against the plan's split K
             for label, cfg in (("gemv s=1", {"SPLIT_K": 1, "k_per_split": K}),
                                ("gemv st=6", {"num_stages": 6}), ("gemv n=128 w8", {"BLOCK_N": 128, "num_warps": 8}),
                                ("gemv 2x split", {"SPLIT_K": min(16, p["SPLIT_K"] * 2),
-                                                  "k_per_split": K // min(16, p["SPLIT_K"] * 2)})):
-                if K % cfg.get("k_per_split", p["k_per_split"]) or cfg.get("k_per_split", p["k_per_split"]) % p["BLOCK_K"]:
+                                                  "k_per_split": K // min(16, p["SPLIT_K"] * 2)}),
+                               ("gemv n=16 k=512 s=1", {"BLOCK_N": 16, "BLOCK_K": 512, "SPLIT_K": 1, "k_per_split": K}),
+                               ("gemv n=32 k=256 s=1", {"BLOCK_N": 32, "BLOCK_K": 256, "SPLIT_K": 1, "k_per_split": K}),
+                               ("gemv n=32 k=256 half split", {"BLOCK_N": 32, "BLOCK_K": 256,
+                                                               "SPLIT_K": max(1, p["SPLIT_K"] // 2),
+                                                               "k_per_split": K // max(1, p["SPLIT_K"] // 2)})):
+                kps, bk = cfg.get("k_per_split", p["k_per_split"]), cfg.get("BLOCK_K", p["BLOCK_K"])
+                if K % kps or kps % bk:
                     continue
                 try:
                     out[label] = graph_time(triton, [lambda w=w, c=cfg: fv._fp8_gemv_triton(x, w, ws, G, config=c)
