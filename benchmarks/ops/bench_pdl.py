@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from unittest import mock
 
 import torch
 
@@ -90,28 +91,20 @@ def main() -> None:
         return s, y, y2
 
     results, times = {}, {}
-    saved = {k: os.environ.get(k) for k in SETTINGS["off"]}
-    try:
-        for name, env in SETTINGS.items():
-            os.environ.update(env)
+    for name, env in SETTINGS.items():
+        with mock.patch.dict(os.environ, env):
             results[name] = chain()  # compiles this setting's kernel variants outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 out = chain()
-            graph.replay()
-            torch.cuda.synchronize()
-            same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(results["off"], out))
-            ms = triton.testing.do_bench(graph.replay, warmup=10, rep=300, return_mode="median")
-            times[name] = ms * 1e3 / len(layers)
-            print(f"{name:13s} {times[name]:7.1f} µs a layer ({ms:.3f} ms for {len(layers)} layers); outputs bitwise "
-                  f"the eager off run's: {same}", flush=True)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        graph.replay()
+        torch.cuda.synchronize()
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(results["off"], out))
+        ms = triton.testing.do_bench(graph.replay, warmup=10, rep=300, return_mode="median")
+        times[name] = ms * 1e3 / len(layers)
+        print(f"{name:13s} {times[name]:7.1f} µs a layer ({ms:.3f} ms for {len(layers)} layers); outputs bitwise "
+              f"the eager off run's: {same}", flush=True)
     base = times["off"]
     for name, us in times.items():
         print(f"{name}: {us:.1f} µs a layer, {100 * (base - us) / base:+.1f}% against off")

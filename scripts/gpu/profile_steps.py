@@ -20,6 +20,7 @@ steps themselves, and ``--profile-decode N`` lists the kernels of pure decode st
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
 import time
 from collections import defaultdict
@@ -99,11 +100,12 @@ def stream_table(ivs: list[tuple[str, int, float, float]]) -> tuple[int | None, 
     main = max(streams, key=lambda k: streams[k]["busy"])
     mu = streams[main]["union"]
     gaps = [(a[1], b[0]) for a, b in zip(mu, mu[1:])]  # the main stream's idle time inside its span
+    gap_ends = [g1 for _, g1 in gaps]
     exposed: dict[str, float] = defaultdict(float)
     for name, sid, s, e in ivs:
         if sid == main:
             continue
-        for g0, g1 in gaps:
+        for g0, g1 in gaps[bisect.bisect_right(gap_ends, s):]:  # the first gap ending after the kernel starts
             if g0 >= e:
                 break
             exposed[name] += max(0.0, min(e, g1) - max(s, g0))

@@ -42,6 +42,15 @@ def triton_available() -> bool:
     return torch.cuda.is_available()
 
 
+def env_flag(env: str, default: str) -> bool:
+    """A 0/1 switch from ``env`` (unset or blank: ``default``); anything else fails naming the variable and its
+    value."""
+    v = os.environ.get(env, default).strip() or default
+    if v not in ("0", "1"):
+        raise ValueError(f"{env}={v!r}: expected 1 or 0")
+    return v == "1"
+
+
 def env_rows(env: str, default: int) -> int:
     """A row count >= 0 from ``env`` (unset or empty: ``default``; 0 conventionally "never"); anything else fails
     naming the variable and its value."""

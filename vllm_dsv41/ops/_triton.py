@@ -24,6 +24,8 @@ import logging
 import os
 from collections.abc import Callable, Iterable
 
+from vllm_dsv41.ops import env_flag
+
 logger = logging.getLogger(__name__)
 
 try:
@@ -98,10 +100,7 @@ def interpreting() -> bool:
 def pdl_setting() -> bool:
     """``VLLM_DSV41_PDL``: 1 launches the decode path's Triton kernels with programmatic dependent launch, 0 (the
     default until a GPU measures it) without; anything else fails naming the variable."""
-    v = os.environ.get(PDL_ENV, DEFAULT_PDL).strip() or DEFAULT_PDL
-    if v not in ("0", "1"):
-        raise ValueError(f"{PDL_ENV}={v!r}: expected 1 or 0")
-    return v == "1"
+    return env_flag(PDL_ENV, DEFAULT_PDL)
 
 
 def pdl(t) -> bool:

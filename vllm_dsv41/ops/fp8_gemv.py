@@ -27,12 +27,11 @@ Why an op: a batch-1 decode step spends ~2.2 ms in 208 CUTLASS FP8 GEMMs (~2.4 T
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from vllm_dsv41 import formats
-from vllm_dsv41.ops import define_op, fp8_gemm
+from vllm_dsv41.ops import define_op, env_flag, fp8_gemm
 from vllm_dsv41.ops._triton import (
     HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, pdl, pdl_launch, sm_count, tl, triton,
 )
@@ -205,10 +204,7 @@ PREFETCH_ENV = "VLLM_DSV41_PDL_PREFETCH"
 def prefetch_setting() -> bool:
     """``VLLM_DSV41_PDL_PREFETCH``: ``1`` lets a GEMV launched with PDL ask L2 for its weight block before it waits for
     the kernel before it (the weights never depend on that kernel), ``0`` (default, until a GPU measures it) not."""
-    v = os.environ.get(PREFETCH_ENV, "0").strip() or "0"
-    if v not in ("0", "1"):
-        raise ValueError(f"{PREFETCH_ENV}={v!r}: expected 1 or 0")
-    return v == "1"
+    return env_flag(PREFETCH_ENV, "0")
 
 
 _LOCKS: dict[tuple, torch.Tensor] = {}

@@ -666,6 +666,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
     hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
     src, src_strides, add_y2 = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
+    on = pdl(stream)
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, *src, fn, pre_prev, x, part, part,  # w: unused (no AMAX)
         T, H, hs,
@@ -673,7 +674,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=fuse, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
         ADD_Y2=add_y2, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_launch(pdl(stream)),
+        **pdl_launch(on),
     )
     if not project:  # the kernel left the projection columns 0: split 0 takes the whole product
         v = (new_stream if fuse else stream).reshape(T, C * H)
@@ -687,7 +688,7 @@ def _launch_pre(stream, fn, base, scale, pre_prev, norm_w, eps, hc_eps, iters, p
         1.0 / (C * H), 1.0 / H, eps, hc_eps, iters, 0.0,
         *part.stride(), *x.stride(), *pre.stride(), *post.stride(), *comb.stride(), 0, 0,
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
-        **pdl_launch(pdl(part)),
+        **pdl_launch(on),
     )
     return new_stream, x, pre, post, comb
 
@@ -726,6 +727,7 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
     hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
     src, src_strides, add_y2 = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
     k = _kernels()
+    on = pdl(stream)
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, *src, stream, pre_prev, x, part, norm_w,  # fn: a placeholder (PROJECT off)
         T, H, hs,
@@ -733,7 +735,7 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=fuse, BF16_SPLIT=False, BF16_MMA=False, PROJECT=False, COLLAPSE=True, AMAX=quant, ADD_Y2=add_y2,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_launch(pdl(stream)),
+        **pdl_launch(on),
     )
     ep_t, ep_h = 8, 512
     nhb = _cdiv(H, ep_h)
@@ -746,7 +748,7 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
         1.0 / (C * H), 1.0 / H, eps, 0.0, 1, formats.FP8_TOKEN_SCALE_FLOOR,
         *part.stride(), *x.stride(), 0, 0, 0, 0, 0, 0, 0, *(q8.stride() if quant else (0, 0)),
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=ep_h, BLOCK_S=EPILOGUE_SPLITS, QUANT=quant, num_warps=4,
-        **pdl_launch(pdl(part)),
+        **pdl_launch(on),
     )
     return (new_stream, x, codes, scales) if quant else (new_stream, x)
 
@@ -766,6 +768,7 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
     block_h = cfg["block_h"]
     hs, split, np_, part = _partials(T, H, nmix, cfg, dev)
     k = _kernels()
+    on = pdl(stream)
     k.pre[(_cdiv(T, cfg["block_t"]), split)](
         stream, stream, stream, pre, comb, stream, fn, pre, part, part, part,  # y .. snew, pre_prev, h, w: unused
         T, H, hs,
@@ -773,7 +776,7 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
         C=C, NMIX=nmix, NP=np_, BLOCK_T=cfg["block_t"], BLOCK_H=block_h,
         FUSE_POST=False, BF16_SPLIT=stream.dtype == torch.bfloat16, BF16_MMA=not interpreting(), PROJECT=project,
         COLLAPSE=False, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        **pdl_launch(pdl(stream)),
+        **pdl_launch(on),
     )
     if not project:
         v = stream.reshape(T, C * H)
@@ -786,7 +789,7 @@ def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
         1.0 / (C * H), 1.0 / H, eps, hc_eps, iters, 0.0,
         *part.stride(), 0, 0, *pre.stride(), *post.stride(), *comb.stride(), 0, 0,
         C=C, NMIX=nmix, BLOCK_T=ep_t, BLOCK_H=512, BLOCK_S=EPILOGUE_SPLITS, num_warps=4,
-        **pdl_launch(pdl(part)),
+        **pdl_launch(on),
     )
     return pre, post, comb
 

@@ -383,15 +383,16 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     floor = formats.MXFP8_AMAX_FLOOR
     x = x.contiguous()
     warps, stages = p["num_warps"], p["num_stages"]
+    on = pdl(x)
     _mxfp8_rows_kernel[(T, -(-(H // 32) // 8))](x, xd, xs, H, x.stride(0), floor, BLOCK_G=8, G=ug, INTERPRET=interp,
-                                                num_warps=1, **pdl_launch(pdl(x)))
+                                                num_warps=1, **pdl_launch(on))
     tiles = -(-I // bn)
     part = torch.empty(T * k, split, 2, I, dtype=torch.float32, device=dev) if split > 1 else xs
     locks = fp8_gemv._locks(dev, T * k * tiles) if split > 1 else xs
     _up_kernel[(tiles, split, T * k)](xd, xs, w13, s13, ids, hd, hs, part, locks, H, I, k, w13.stride(0),
                                       w13.stride(1), s13.stride(0), s13.stride(1), limit, floor, BLOCK_N=bn,
                                       SPLIT_K=split, G=ug, H_G=dg, EVEN=(H // 32) % ug == 0, THREADS=32 * warps,
-                                      INTERPRET=interp, num_warps=warps, num_stages=stages, **pdl_launch(pdl(xd)))
+                                      INTERPRET=interp, num_warps=warps, num_stages=stages, **pdl_launch(on))
     bn = p["DOWN_BLOCK_N"]
     tiles = -(-H // bn)
     part = torch.empty(T, k, H, dtype=torch.float32, device=dev) if k > 1 else out
@@ -399,7 +400,7 @@ def _moe_gemv_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch.Tensor, w2: 
     _down_kernel[(tiles, k, T)](hd, hs, w2, s2, ids, wts.reshape(-1).float().contiguous(), out, part, locks, H, I,
                                 w2.stride(0), w2.stride(1), s2.stride(0), s2.stride(1), BLOCK_N=bn, K_SLOTS=k, G=dg,
                                 EVEN=(I // 32) % dg == 0, THREADS=32 * warps, INTERPRET=interp, num_warps=warps,
-                                num_stages=stages, **pdl_launch(pdl(hd)))
+                                num_stages=stages, **pdl_launch(on))
     return out
 
 

@@ -309,6 +309,7 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
     part = torch.empty(split_k, T, E, dtype=torch.float32, device=x.device)
     n_t = triton.cdiv(T, block_t)
     counters = _arrival_counters(x.device, n_t)
+    on = pdl(x)
     common = dict(TOPK=topk, K_POW2=triton.next_power_of_2(topk), E_POW2=triton.next_power_of_2(E),
                   EPI_T=max(1, min(16, 2048 // triton.next_power_of_2(E))))
     _router_gemm_kernel[(triton.cdiv(E, block_e), n_t, split_k)](
@@ -318,12 +319,12 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
         ids.stride(0), wts.stride(0),
         BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=block_k, SPLIT_K=split_k, EVEN_K=even_k,
         UPCAST=upcast, SPLIT_X=split_x, FUSE_EPILOGUE=fuse_epilogue, ARRIVALS=triton.cdiv(E, block_e) * split_k,
-        **common, **cfg, **pdl_launch(pdl(x)))
+        **common, **cfg, **pdl_launch(on))
     if not fuse_epilogue:
         rows = 4
         _router_epilogue_kernel[(triton.cdiv(T, rows),)](
             part, bias, ids, wts, T, E, float(routed_scaling), ids.stride(0), wts.stride(0),
-            ROWS=rows, SPLIT_K=split_k, **common, num_warps=4, **pdl_launch(pdl(part)))
+            ROWS=rows, SPLIT_K=split_k, **common, num_warps=4, **pdl_launch(on))
     return ids, wts
 
 
