@@ -252,6 +252,20 @@ INTERPRET_CASES = {
     "collapse_quant-T9-H5120-bf16-split40-strided": ("collapse_quant", 9, 4, 5120, "bfloat16", {"split": 40}, True),
     "post_collapse_quant-T5-H640-bf16-strided": ("post_collapse_quant", 5, 4, 640, "bfloat16", {"block_h": 32}, True),
     "post_collapse_quant-T3-H96-fp32": ("post_collapse_quant", 3, 4, 96, "float32", None, False),
+    # the one-launch collapse (each token's programs sum the whole row's squares): one and several programs a token,
+    # H not a multiple of the chunk, the post-mix with the MoE's two parts, the quantising variants
+    "collapse-T2-H96-bf16-rows": ("collapse", 2, 4, 96, "bfloat16", {"rows": True}, False),
+    "collapse-T3-H640-fp32-rows-bh64-p4-strided": ("collapse", 3, 4, 640, "float32",
+                                                   {"rows": True, "block_h": 64, "programs": 4}, True),
+    "post_collapse-T3-H96-bf16-rows-bh32-p2": ("post_collapse", 3, 4, 96, "bfloat16",
+                                               {"rows": True, "block_h": 32, "programs": 2}, False),
+    "post_collapse_add-T2-H640-bf16-rows-bh128-p3-strided": ("post_collapse_add", 2, 4, 640, "bfloat16",
+                                                             {"rows": True, "block_h": 128, "programs": 3}, True),
+    "collapse_quant-T2-H5120-bf16-rows": ("collapse_quant", 2, 4, 5120, "bfloat16", {"rows": True}, False),
+    "post_collapse_quant_add-T3-H640-bf16-rows-bh64-p4": ("post_collapse_quant_add", 3, 4, 640, "bfloat16",
+                                                          {"rows": True, "block_h": 64, "programs": 4}, False),
+    "post_collapse_quant-T1-H96-fp32-rows-p1": ("post_collapse_quant", 1, 4, 96, "float32",
+                                                {"rows": True, "programs": 1}, False),
 }
 
 # Triton's interpreter (3.9) casts fp32 -> bf16 by truncation, the GPU rounds to nearest even; the
@@ -605,3 +619,33 @@ def test_quantising_collapse_builds_for_sm90():
         got = sm90_build(k.pre, psig, pc, cfg["num_warps"], cfg["num_stages"])
         print(f"pre kernel with AMAX, post-mix {fuse}: {got}")
         assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_one_launch_collapse_builds_for_sm90(fuse):
+    """The one-launch collapse with the quantised x, with and without the post-mix (the MoE's two parts), at the
+    wrapper's launch parameters for H = 5120, bf16 streams: compiles for Hopper without spills."""
+    from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
+
+    pytest.importorskip("triton")
+    kernel = mhc._kernels().collapse_rows
+    cfg = mhc._rows_config(1, 5120, fuse)
+    ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "y2_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
+           "snew_ptr": "*bf16", "pre_prev_ptr": "*fp32", "w_ptr": "*bf16", "x_ptr": "*bf16", "q_ptr": "*u8",
+           "qs_ptr": "*fp32"}
+    consts = {"C": 4, "BLOCK_H": cfg["block_h"], "FUSE_POST": fuse, "ADD_Y2": fuse, "QUANT": True}
+    sig = {n: ptr.get(n, "constexpr" if n in consts else "fp32" if n in ("inv_h", "eps", "floor") else "i32")
+           for n in kernel.arg_names}
+    got = sm90_build(kernel, sig, consts, cfg["num_warps"], 1)
+    print(f"one-launch collapse, post-mix {fuse}, {cfg}: {got}")
+    assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got
+
+
+def test_collapse_rows_env(monkeypatch):
+    monkeypatch.delenv(mhc.COLLAPSE_ROWS_ENV, raising=False)
+    assert mhc.collapse_rows() == mhc.COLLAPSE_ROWS_DEFAULT
+    monkeypatch.setenv(mhc.COLLAPSE_ROWS_ENV, "4")
+    assert mhc.collapse_rows() == 4
+    monkeypatch.setenv(mhc.COLLAPSE_ROWS_ENV, "few")
+    with pytest.raises(ValueError, match="VLLM_DSV41_MHC_COLLAPSE_ROWS"):
+        mhc.collapse_rows()

@@ -479,6 +479,104 @@ def _mhc_post_kernel(
                  out_j.to(out_ptr.dtype.element_ty), mask=mask_th)
 
 
+def _mhc_collapse_rows_kernel(
+    s_ptr,          # [T, C, H] stream entering the boundary; with FUSE_POST the stream before the post-mix
+    y_ptr,          # [T, H]    sublayer output (FUSE_POST only)
+    y2_ptr,         # [T, H]    its second part, y's dtype (ADD_Y2 only)
+    post_prev_ptr,  # [T, C]    fp32 post-mix of the previous boundary (FUSE_POST only)
+    comb_prev_ptr,  # [T, C, C] fp32 comb of the previous boundary, row = source (FUSE_POST only)
+    snew_ptr,       # [T, C, H] out: post-mixed stream, S's dtype (FUSE_POST only)
+    pre_prev_ptr,   # [T, C]    fp32 carried pre-mix
+    w_ptr,          # [H]       norm weight
+    x_ptr,          # [T, H]    out: RMSNorm_w(sum_j pre_prev[j] * S[j]); holds the unnormalised h in between
+    q_ptr,          # [T, H]    uint8 out: E4M3 bytes of x / scale (QUANT only)
+    qs_ptr,         # [T]       fp32 out: x's per-row scale (QUANT only)
+    H, HP,          # hidden size, columns a program writes (a multiple of BLOCK_H)
+    inv_h, eps, floor,
+    stride_st, stride_sc, stride_sh,
+    stride_yt, stride_yh,
+    stride_y2t, stride_y2h,
+    stride_pot, stride_poc,
+    stride_cot, stride_coi, stride_coj,
+    stride_nt, stride_nc, stride_nh,
+    stride_ppt, stride_ppc,
+    stride_xt, stride_xh,
+    stride_qt, stride_qh,
+    C: tl.constexpr, BLOCK_H: tl.constexpr,
+    FUSE_POST: tl.constexpr, ADD_Y2: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = False,
+):
+    if PDL:  # programmatic dependent launch: the previous kernel first
+        gdc_wait()
+        gdc_launch_dependents()
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    s_ptr += t * stride_st
+    y_ptr += t * stride_yt
+    y2_ptr += t * stride_y2t
+    post_prev_ptr += t * stride_pot
+    comb_prev_ptr += t * stride_cot
+    snew_ptr += t * stride_nt
+    pre_prev_ptr += t * stride_ppt
+    x_ptr += t * stride_xt
+    q_ptr += t * stride_qt
+    lo = p * HP
+    hi = lo + HP
+
+    # Pass 1, the whole row: every program needs sum(h^2) (and max |h * w|) over all of H, so each one computes h
+    # for every column (S is a few tens of KB a token, read from L2) and keeps only its own columns' stream and h.
+    ssq_h = tl.zeros([BLOCK_H], dtype=tl.float32)
+    amax_hw = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        mine = mask_h & (offs_h >= lo) & (offs_h < hi)
+        if FUSE_POST:
+            y = tl.load(y_ptr + offs_h * stride_yh, mask=mask_h, other=0.0).to(tl.float32)
+            if ADD_Y2:  # y + y2 rounded to y's dtype, as mhc_post's ADD_Y2 (bitwise the same streams)
+                y2 = tl.load(y2_ptr + offs_h * stride_y2h, mask=mask_h, other=0.0).to(tl.float32)
+                y = (y + y2).to(y_ptr.dtype.element_ty).to(tl.float32)
+        h = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in tl.static_range(C):
+            if FUSE_POST:  # the arithmetic of _mhc_post_kernel, in its order: bitwise the same stream
+                s_j = tl.zeros([BLOCK_H], dtype=tl.float32)
+                for i in tl.static_range(C):
+                    c_ij = tl.load(comb_prev_ptr + i * stride_coi + j * stride_coj).to(tl.float32)
+                    s_i = tl.load(s_ptr + i * stride_sc + offs_h * stride_sh, mask=mask_h, other=0.0).to(tl.float32)
+                    s_j += c_ij * s_i
+                post_j = tl.load(post_prev_ptr + j * stride_poc).to(tl.float32)
+                s_j = (s_j + post_j * y).to(snew_ptr.dtype.element_ty)
+                tl.store(snew_ptr + j * stride_nc + offs_h * stride_nh, s_j, mask=mine)
+            else:
+                s_j = tl.load(s_ptr + j * stride_sc + offs_h * stride_sh, mask=mask_h, other=0.0)
+            h += tl.load(pre_prev_ptr + j * stride_ppc).to(tl.float32) * s_j.to(tl.float32)
+        ssq_h += h * h
+        h_parked = h.to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + offs_h * stride_xh, h_parked, mask=mine)
+        if QUANT:
+            w = tl.load(w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+            amax_hw = tl.maximum(amax_hw, tl.abs(h_parked.to(tl.float32) * w))
+    rx = tl.rsqrt(tl.sum(ssq_h, axis=0) * inv_h + eps)
+    if QUANT:
+        # as the two-kernel collapse: x's amax is rx times max |h * w|, rounded to x's dtype as x is
+        amax = (tl.max(amax_hw, axis=0) * rx).to(x_ptr.dtype.element_ty).to(tl.float32)
+        qs = _fp8_token_scale(amax, floor)
+        if p == 0:
+            tl.store(qs_ptr + t, qs)
+    tl.debug_barrier()  # pass 2 reads back the h this program's threads parked in x
+
+    # Pass 2, this program's columns: normalise h in place (and quantise x)
+    for h0 in range(lo, hi, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        h = tl.load(x_ptr + offs_h * stride_xh, mask=mask_h, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+        x = (h * rx * w).to(x_ptr.dtype.element_ty)
+        tl.store(x_ptr + offs_h * stride_xh, x, mask=mask_h)
+        if QUANT:
+            code = _e4m3_byte(tl.math.div_rn(x.to(tl.float32), tl.broadcast_to(qs, [BLOCK_H])))
+            tl.store(q_ptr + offs_h * stride_qh, code.to(tl.uint8), mask=mask_h)
+
+
 @functools.cache
 def _kernels() -> SimpleNamespace:
     """``triton.jit`` the kernels once per process (and Triton mode: compiled or TRITON_INTERPRET=1)."""
@@ -492,7 +590,8 @@ def _kernels() -> SimpleNamespace:
                            # the H split count follows the row count too; the epilogue only loops over it
                            pre_epilogue=triton.jit(_mhc_pre_epilogue_kernel,
                                                    do_not_specialize=ROW_COUNT_ARGS + ("SPLIT",)),
-                           post=triton.jit(_mhc_post_kernel, **rows))
+                           post=triton.jit(_mhc_post_kernel, **rows),
+                           collapse_rows=triton.jit(_mhc_collapse_rows_kernel))
 
 
 # --------------------------------------------------------------------------- launch wrappers
@@ -721,6 +820,9 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
     scales = torch.empty(T, 1, dtype=torch.float32, device=dev) if quant else None
     if T == 0:
         return (new_stream, x, codes, scales) if quant else (new_stream, x)
+    if (config or {}).get("rows", T <= collapse_rows()):
+        _launch_collapse_rows(stream, pre_prev, norm_w, eps, post_inputs, config, x, new_stream, codes, scales)
+        return (new_stream, x, codes, scales) if quant else (new_stream, x)
     nmix = (2 + C) * C
     cfg = {**_collapse_config(T, H, fuse, dev), **(config or {})}
     block_h = cfg["block_h"]
@@ -751,6 +853,44 @@ def _launch_collapse(stream, pre_prev, norm_w, eps, post_inputs, config, quant: 
         **pdl_launch(on),
     )
     return (new_stream, x, codes, scales) if quant else (new_stream, x)
+
+
+COLLAPSE_ROWS_ENV = "VLLM_DSV41_MHC_COLLAPSE_ROWS"
+COLLAPSE_ROWS_DEFAULT = 0
+
+
+def collapse_rows() -> int:
+    """Rows up to which ``mhc_collapse`` / ``mhc_post_collapse`` (and their ``_quant``) take the one-launch kernel
+    (``VLLM_DSV41_MHC_COLLAPSE_ROWS``, default 0 = never): each token's programs compute the whole row's sum of squares
+    themselves, so the normalisation needs no second launch."""
+    return env_rows(COLLAPSE_ROWS_ENV, COLLAPSE_ROWS_DEFAULT)
+
+
+def _rows_config(T: int, H: int, fuse_post: bool) -> dict:
+    """Launch parameters of ``_mhc_collapse_rows_kernel``: the H chunk, the programs a token (each writes H / programs
+    columns, and every one reads the token's whole stream) and the warps."""
+    block_h = min(1024, _next_pow2(H))
+    return dict(block_h=block_h, programs=max(1, min(8, _cdiv(H, block_h))), num_warps=4)
+
+
+def _launch_collapse_rows(stream, pre_prev, norm_w, eps, post_inputs, config, x, new_stream, codes, scales):
+    """The one-launch collapse (:func:`collapse_rows`) into the outputs ``_launch_collapse`` allocated: grid (tokens,
+    programs a token); the same x, stream, codes and scales as the two-kernel collapse but for the order of the sum
+    of squares."""
+    T, C, H = stream.shape
+    cfg = {**_rows_config(T, H, post_inputs is not None), **(config or {})}
+    block_h = cfg["block_h"]
+    hp = _cdiv(_cdiv(H, cfg["programs"]), block_h) * block_h
+    src, src_strides, add_y2 = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)
+    quant = codes is not None
+    q8 = codes.view(torch.uint8) if quant else x
+    _kernels().collapse_rows[(T, _cdiv(H, hp))](
+        stream, *src, pre_prev, norm_w, x, q8, scales if quant else x,
+        H, hp, 1.0 / H, eps, formats.FP8_TOKEN_SCALE_FLOOR,
+        *stream.stride(), *src_strides, *pre_prev.stride(), *x.stride(), *q8.stride(),
+        C=C, BLOCK_H=block_h, FUSE_POST=post_inputs is not None, ADD_Y2=add_y2, QUANT=quant,
+        num_warps=cfg["num_warps"], **pdl_launch(pdl(stream)),
+    )
 
 
 def _launch_coeffs(stream, fn, base, scale, eps, hc_eps, iters, config):
