@@ -649,3 +649,33 @@ def test_collapse_rows_env(monkeypatch):
     monkeypatch.setenv(mhc.COLLAPSE_ROWS_ENV, "few")
     with pytest.raises(ValueError, match="VLLM_DSV41_MHC_COLLAPSE_ROWS"):
         mhc.collapse_rows()
+
+
+@requires_cuda
+@pytest.mark.parametrize("T", [1, 4, 16])
+@pytest.mark.parametrize("op", ["collapse", "post_collapse", "post_collapse_add", "collapse_quant",
+                                "post_collapse_quant", "post_collapse_quant_add"])
+def test_cuda_one_launch_collapse(op, T):
+    """The one-launch collapse at serving sizes against the reference, its stream bitwise ``mhc_post``'s, its x within
+    the last bit of the two-launch route's (the sum of squares in another order), and a quantising variant's codes
+    those of its own x."""
+    t = make_inputs(T, 4, 5120, torch.bfloat16, seed=T, device="cuda")
+    args = ARGS[op](t)
+    fn = getattr(mhc, f"_mhc_{OP_OF.get(op, op)}_triton")
+    got = fn(*args, config={"rows": True})
+    got = got if isinstance(got, tuple) else (got,)
+    two = fn(*args, config={"rows": False})
+    two = two if isinstance(two, tuple) else (two,)
+    ref = REFS[op](*args)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    for name, a, b in zip(OUT_NAMES[op], ref, got, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype, name
+        assert_close(f"mhc_{op} rows T={T} {name}", a, b, ratio=_ratio(a.dtype, name))
+    if "post" in op:
+        assert torch.equal(got[0], torch.ops.dsv41.mhc_post(*args[:4], args[-1] if op.endswith("_add") else None))
+    xi = OUT_NAMES[op].index("x")
+    ulp = two[xi].float().abs() * 2.0 ** -7
+    assert ((got[xi].float() - two[xi].float()).abs() <= ulp).all(), f"{op}: x more than an ulp from the two launches"
+    if op in QUANT_OPS:
+        plain = getattr(mhc, f"_mhc_{QUANT_OPS[op]}_triton")(*args, config={"rows": True})
+        assert_quantised_x(f"mhc_{op} rows T={T}", got, plain)
