@@ -99,6 +99,36 @@ def sweep() -> None:
             print(f"  T{T}: {t:.1f} us  rows-equal {ok:.4f}  {cfg}", flush=True)
 
 
+def graph_us(fn, calls: int = 16) -> float:
+    """µs a call of ``fn`` replayed ``calls`` times from one CUDA graph (no host launch cost, as in a decode step)."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3 / calls
+
+
+def epilogues() -> None:
+    """The top-k epilogue's two forms at decode sizes, graph-replayed: one reduction of (score, id, s) a round
+    (``ONE_PASS``, the default) against three; the picks must agree."""
+    from vllm_dsv41.ops import router as r
+
+    print("\ntop-k epilogue, graph-replayed µs a call: one reduction a round / three reductions a round")
+    for E, k in ((384, 6), (32, 6), (16, 6)):
+        for T in (1, 4, 16):
+            x, w, b = make(T, E)
+            one = graph_us(lambda: r._router_triton(x, w, b, k, 1.5))
+            three = graph_us(lambda: r._router_triton(x, w, b, k, 1.5, config={"ONE_PASS": False}))
+            same = torch.equal(r._router_triton(x, w, b, k, 1.5)[0],
+                               r._router_triton(x, w, b, k, 1.5, config={"ONE_PASS": False})[0])
+            print(f"  T{T} E{E} k{k}: {one:6.2f} / {three:6.2f} µs ({100 * (three - one) / three:+.1f}%), "
+                  f"ids equal {same}", flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true")
@@ -110,6 +140,7 @@ def main() -> int:
     if open_gpu("bench_router") is None:
         return 0
     print(f"  H={H}  {args.x_dtype} x, bf16 weight, fp32 bias, routed scaling 1.5")
+    epilogues()
     run_cases()
     if not args.no_sweep:
         sweep()

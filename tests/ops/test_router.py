@@ -138,6 +138,10 @@ INTERPRET_CASES = {
     # the launcher's own choice (fuse_pays): two kernels for 16 x 384 tiles, fused for 1 x 384
     "T20-E384-H64-k6-default": (20, 384, 64, 6, "grid", "bfloat16", None, None),
     "T1-E384-H64-k6-default": (1, 384, 64, 6, "grid", "bfloat16", None, None),
+    # the earlier top-k epilogue (three reductions a round), kept for comparison, with ties and both kernels
+    "T19-E128-H96-k3-ties-three-reductions": (19, 128, 96, 3, "ties", "bfloat16", True, {"ONE_PASS": False}),
+    "T70-E384-H64-k6-unfused-three-reductions": (70, 384, 64, 6, "grid", "bfloat16", False, {"ONE_PASS": False}),
+    "T1-E16-H64-k6-ties": (1, 16, 64, 6, "ties", "bfloat16", True, None),
 }
 
 

@@ -82,6 +82,13 @@ def router_ref(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, t
 
 
 @triton.jit
+def _top1(v1, i1, s1, v2, i2, s2):
+    """Combine of the one-pass top-1: the larger biased score, on equal scores the lower expert id, with its s."""
+    take1 = (v1 > v2) | ((v1 == v2) & (i1 < i2))
+    return tl.where(take1, v1, v2), tl.where(take1, i1, i2), tl.where(take1, s1, s2)
+
+
+@triton.jit
 def _router_epilogue(
     part_ptr,     # [SPLIT_K, T, E] fp32 partial logits
     bias_ptr,     # [E] fp32
@@ -90,9 +97,13 @@ def _router_epilogue(
     row_begin, row_end, T, E, routed_scaling,
     stride_it, stride_wt,
     SPLIT_K: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr,
-    EPI_T: tl.constexpr,
+    EPI_T: tl.constexpr, ONE_PASS: tl.constexpr,
 ):
-    """Rows [row_begin, row_end): sum partials, s = sqrt(softplus), top-k of s + bias, normalise."""
+    """Rows [row_begin, row_end): sum partials, s = sqrt(softplus), top-k of s + bias, normalise.
+
+    ``ONE_PASS``: each of the k rounds is one reduction of (biased score, id, s) triples (:func:`_top1`) instead of
+    three in a row (the row max, the lowest id attaining it, its s); the same picks.  Each reduction across the CTA's
+    warps is a shared-memory round trip with barriers, and the rounds are a serial chain."""
     cols = tl.arange(0, E_POW2)
     kcol = tl.arange(0, K_POW2)
     col_ok = cols < E
@@ -115,12 +126,17 @@ def _router_epilogue(
         biased = tl.where(m, s + bias[None, :], float("-inf"))
         sel_ids = tl.zeros([EPI_T, K_POW2], tl.int32)
         sel_s = tl.zeros([EPI_T, K_POW2], tl.float32)
+        ids2 = tl.broadcast_to(cols[None, :], [EPI_T, E_POW2])
         for j in tl.static_range(TOPK):
-            best = tl.max(biased, axis=1)
-            # lowest expert id attaining the row max: the shared tie rule
-            pick = tl.min(tl.where(biased == best[:, None], cols[None, :], E_POW2), axis=1)
-            hit = cols[None, :] == pick[:, None]
-            s_pick = tl.sum(tl.where(hit, s, 0.0), axis=1)
+            if ONE_PASS:
+                _, pick, s_pick = tl.reduce((biased, ids2, s), 1, _top1)
+                hit = cols[None, :] == pick[:, None]
+            else:
+                best = tl.max(biased, axis=1)
+                # lowest expert id attaining the row max: the shared tie rule
+                pick = tl.min(tl.where(biased == best[:, None], cols[None, :], E_POW2), axis=1)
+                hit = cols[None, :] == pick[:, None]
+                s_pick = tl.sum(tl.where(hit, s, 0.0), axis=1)
             sel_ids = tl.where(kcol[None, :] == j, pick[:, None], sel_ids)
             sel_s = tl.where(kcol[None, :] == j, s_pick[:, None], sel_s)
             biased = tl.where(hit, float("-inf"), biased)
@@ -145,7 +161,8 @@ def _router_gemm_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     EVEN_K: tl.constexpr, UPCAST: tl.constexpr, SPLIT_X: tl.constexpr, FUSE_EPILOGUE: tl.constexpr,
     ARRIVALS: tl.constexpr,
-    TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, EPI_T: tl.constexpr, PDL: tl.constexpr = False,
+    TOPK: tl.constexpr, K_POW2: tl.constexpr, E_POW2: tl.constexpr, EPI_T: tl.constexpr, ONE_PASS: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel first
         gdc_wait()
@@ -205,14 +222,14 @@ def _router_gemm_kernel(
         if ARRIVALS == 1:  # one CTA owns whole rows: no counter needed
             _router_epilogue(part_ptr, bias_ptr, ids_ptr, wts_ptr, row_begin, row_end, T, E,
                              routed_scaling, stride_it, stride_wt, SPLIT_K, TOPK, K_POW2, E_POW2,
-                             EPI_T)
+                             EPI_T, ONE_PASS)
         else:
             # one thread, gpu scope, acq_rel: publishes this CTA's tile / acquires the others'
             seen = tl.atomic_add(count_ptr + pid_t, 1, sem="acq_rel")
             if seen == ARRIVALS - 1:
                 _router_epilogue(part_ptr, bias_ptr, ids_ptr, wts_ptr, row_begin, row_end, T, E,
                                  routed_scaling, stride_it, stride_wt, SPLIT_K, TOPK, K_POW2, E_POW2,
-                                 EPI_T)
+                                 EPI_T, ONE_PASS)
                 tl.atomic_xchg(count_ptr + pid_t, 0)  # re-arm for the next launch / graph replay
 
 
@@ -221,7 +238,7 @@ def _router_epilogue_kernel(
     part_ptr, bias_ptr, ids_ptr, wts_ptr,   # as in _router_epilogue
     T, E, routed_scaling, stride_it, stride_wt,
     ROWS: tl.constexpr, SPLIT_K: tl.constexpr, TOPK: tl.constexpr, K_POW2: tl.constexpr,
-    E_POW2: tl.constexpr, EPI_T: tl.constexpr, PDL: tl.constexpr = False,
+    E_POW2: tl.constexpr, EPI_T: tl.constexpr, ONE_PASS: tl.constexpr = True, PDL: tl.constexpr = False,
 ):
     if PDL:  # programmatic dependent launch: the previous kernel first
         gdc_wait()
@@ -229,7 +246,7 @@ def _router_epilogue_kernel(
     row_begin = tl.program_id(0) * ROWS
     row_end = tl.minimum(row_begin + ROWS, T)
     _router_epilogue(part_ptr, bias_ptr, ids_ptr, wts_ptr, row_begin, row_end, T, E, routed_scaling,
-                     stride_it, stride_wt, SPLIT_K, TOPK, K_POW2, E_POW2, EPI_T)
+                     stride_it, stride_wt, SPLIT_K, TOPK, K_POW2, E_POW2, EPI_T, ONE_PASS)
 
 
 # --------------------------------------------------------------------------- launch wrapper
@@ -302,6 +319,7 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
     if fuse_epilogue is None:
         fuse_epilogue = fuse_pays(T, E, block_t)
     split_k = cfg.pop("SPLIT_K")
+    one_pass = cfg.pop("ONE_PASS", True)  # False: the three reductions a top-k round (the earlier epilogue)
     # every split gets a whole number of BLOCK_K steps; drop splits that would be empty
     k_per_split = triton.cdiv(triton.cdiv(H, split_k), block_k) * block_k
     split_k = triton.cdiv(H, k_per_split)
@@ -311,7 +329,7 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
     counters = _arrival_counters(x.device, n_t)
     on = pdl(x)
     common = dict(TOPK=topk, K_POW2=triton.next_power_of_2(topk), E_POW2=triton.next_power_of_2(E),
-                  EPI_T=max(1, min(16, 2048 // triton.next_power_of_2(E))))
+                  EPI_T=max(1, min(16, 2048 // triton.next_power_of_2(E))), ONE_PASS=one_pass)
     _router_gemm_kernel[(triton.cdiv(E, block_e), n_t, split_k)](
         x, gate_weight, bias, part, counters, ids, wts,
         T, H, E, float(routed_scaling), k_per_split,
