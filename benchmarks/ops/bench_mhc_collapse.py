@@ -7,7 +7,7 @@ route's calls on 16 different inputs replayed from one CUDA graph (the inputs st
 in a decode step: its producer wrote it just before), median of ``do_bench``, µs a call.  The one-launch route is
 checked against the two-launch one: the stream bitwise, x, codes and scales to the last bit of x's sum of squares.
 
-    python3 benchmarks/ops/bench_mhc_collapse.py [--tokens 1 2 4]
+    python3 benchmarks/ops/bench_mhc_collapse.py [--tokens 1 2 4 16]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def inputs(T: int, seed: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16])
     args = ap.parse_args()
     triton = open_gpu("bench_mhc_collapse")
     if triton is None:

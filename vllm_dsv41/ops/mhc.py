@@ -77,6 +77,14 @@ Kernel design (CUDA, Triton):
   and fn split into bf16 hi + lo parts (two MMAs, ~2^-17 relative error per product, i.e. fp32-level);
   for other dtypes ``input_precision="tf32x3"``.  h is parked in x's dtype, so a bf16 x is rounded twice
   (h, then the normalised value): at most one extra bf16 ulp against the reference.
+* ``_mhc_collapse_rows_kernel`` (grid: tokens x programs a token; :func:`collapse_rows`) is the split boundary's
+  collapse in one launch, for a few tokens.  The two-launch collapse exists because x needs sum(h^2) over all of H
+  before any element is written; at one token the whole row (S: C x H values, ~40 KB in bf16) is small enough for
+  every program to compute h for every column from L2 and sum the squares itself, keeping only its own columns'
+  stream and h (parked in x), then normalise and quantise its columns after a CTA barrier.  The stream is bitwise
+  ``_mhc_post_kernel``'s; x differs from the two-launch route's only by the order of the sum of squares.  The
+  measured ends of the other route at T=1: the pre kernel and the epilogue, two launches of ~5-7 µs each on an H100
+  (docs/benchmarks.md, session 31, averaged over the collapse and coefficient launches).
 * ``_mhc_post_kernel`` (grid: token blocks x H blocks) is a plain streaming kernel: read S and y once,
   write S_new once.
 * Launch tiles (``_pre_config``) are chosen by measured kernel time, not by register counts: built for sm_90
