@@ -225,3 +225,13 @@ def test_cuda_graph_replay():
         x.copy_(make_inputs(16, 384, 5120, "grid", seed=10 + seed, device="cuda")[0])
         graph.replay()
         check_router("graph", x, w, b, router_mod.router_ref(x, w, b, 6, SCALING), (ids, wts), TOL["grid"])
+
+
+def test_one_pass_setting(monkeypatch):
+    monkeypatch.delenv(router_mod.ONE_PASS_ENV, raising=False)
+    assert router_mod.one_pass_setting()
+    monkeypatch.setenv(router_mod.ONE_PASS_ENV, "0")
+    assert not router_mod.one_pass_setting()
+    monkeypatch.setenv(router_mod.ONE_PASS_ENV, "yes")
+    with pytest.raises(ValueError, match="VLLM_DSV41_ROUTER_ONE_PASS"):
+        router_mod.one_pass_setting()

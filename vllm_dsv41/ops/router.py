@@ -56,7 +56,7 @@ dot products are exact in fp32, inputs with duplicated experts, and random input
 import torch
 import torch.nn.functional as F
 
-from vllm_dsv41.ops import define_op
+from vllm_dsv41.ops import define_op, env_flag
 
 from vllm_dsv41.ops._triton import (
     HAS_TRITON as _HAS_TRITON, ROW_COUNT_ARGS, gdc_launch_dependents, gdc_wait, interpreting, pdl, pdl_launch, sm_count,
@@ -290,6 +290,15 @@ def fuse_pays(T: int, E: int, block_t: int) -> bool:
     return min(T, block_t) * E <= FUSED_EPILOGUE_MAX_SCORES
 
 
+ONE_PASS_ENV = "VLLM_DSV41_ROUTER_ONE_PASS"
+
+
+def one_pass_setting() -> bool:
+    """``VLLM_DSV41_ROUTER_ONE_PASS``: ``1`` (default) runs each top-k round of the epilogue as one reduction of
+    (score, id, s) triples, ``0`` as the three reductions of the earlier epilogue (the same picks)."""
+    return env_flag(ONE_PASS_ENV, "1")
+
+
 def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor, topk: int,
                    routed_scaling: float, fuse_epilogue: bool | None = None,
                    config: dict | None = None, split_x: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -319,7 +328,7 @@ def _router_triton(x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tenso
     if fuse_epilogue is None:
         fuse_epilogue = fuse_pays(T, E, block_t)
     split_k = cfg.pop("SPLIT_K")
-    one_pass = cfg.pop("ONE_PASS", True)  # False: the three reductions a top-k round (the earlier epilogue)
+    one_pass = cfg.pop("ONE_PASS", one_pass_setting())  # False: three reductions a top-k round (the earlier form)
     # every split gets a whole number of BLOCK_K steps; drop splits that would be empty
     k_per_split = triton.cdiv(triton.cdiv(H, split_k), block_k) * block_k
     split_k = triton.cdiv(H, k_per_split)
