@@ -9,7 +9,7 @@ shared by two sets), all in one CUDA graph, replayed (median of ``do_bench``), u
 ``off`` (``VLLM_DSV41_PDL=0``), ``pdl`` (``=1``) and ``pdl+prefetch`` (with ``VLLM_DSV41_PDL_PREFETCH=1``).  Each
 setting's outputs must equal the ``off`` run's bit for bit (PDL changes when kernels start, not what they compute).
 
-    python3 benchmarks/ops/bench_pdl.py [--layers 16]
+    python3 benchmarks/ops/bench_pdl.py [--layers 16] [--per-op] [--settings off rows router3 ...]
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from _common import open_gpu
 H, C, Q_LORA, KV, HEADS_OUT, GROUPS, O_LORA, I, E, K_SLOTS, LIMIT = 5120, 4, 1280, 512, 32768, 8, 8192, 2304, 32, 6, 10.0
 SETTINGS = {"off": {"VLLM_DSV41_PDL": "0", "VLLM_DSV41_PDL_PREFETCH": "0"},
             "pdl": {"VLLM_DSV41_PDL": "1", "VLLM_DSV41_PDL_PREFETCH": "0"},
-            "pdl+prefetch": {"VLLM_DSV41_PDL": "1", "VLLM_DSV41_PDL_PREFETCH": "1"}}
+            "pdl+prefetch": {"VLLM_DSV41_PDL": "1", "VLLM_DSV41_PDL_PREFETCH": "1"},
+            # session 32's latency changes on the same chain (not bitwise: the one-launch collapse sums x's squares
+            # in another order, and everything after the first boundary follows x)
+            "router3": {"VLLM_DSV41_PDL": "0", "VLLM_DSV41_ROUTER_ONE_PASS": "0"},
+            "rows": {"VLLM_DSV41_PDL": "0", "VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"},
+            "rows+pdl": {"VLLM_DSV41_PDL": "1", "VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}}
 
 
 def fp8_weight(n: int, k: int):
@@ -37,6 +42,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--per-op", action="store_true", help="also each op alone: its layers' calls in one graph")
+    ap.add_argument("--settings", nargs="+", default=["off", "pdl", "pdl+prefetch"], choices=list(SETTINGS),
+                    help="the settings to time (off always first)")
     args = ap.parse_args()
     triton = open_gpu("bench_pdl")
     if triton is None:
@@ -91,8 +98,8 @@ def main() -> None:
         return s, y, y2
 
     results, times = {}, {}
-    for name, env in SETTINGS.items():
-        with mock.patch.dict(os.environ, env):
+    for name in ["off", *(n for n in args.settings if n != "off")]:
+        with mock.patch.dict(os.environ, SETTINGS[name]):
             results[name] = chain()  # compiles this setting's kernel variants outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -116,15 +123,27 @@ def main() -> None:
         coeff_args = (stream0, fn, torch.randn(nmix, device="cuda") * 0.5, torch.tensor([0.8, 1.2, 3.0], device="cuda"),
                       1e-6, 1e-6, 20)
         calls["mhc_coeffs (a side stream in the model)"] = [(ops.mhc_coeffs, coeff_args)] * len(layers)
-        total = 0.0
-        for label, recorded in calls.items():
+        def per_call(recorded) -> float:
+            for op, a in recorded[:1]:
+                op(*a)  # compiles this setting's variant outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for op, a in recorded:
                     op(*a)
-            us = triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median") * 1e3 / len(recorded)
+            return triton.testing.do_bench(graph.replay, warmup=10, rep=200, return_mode="median") * 1e3 / len(recorded)
+
+        total = 0.0
+        # the ops that session 32 gave a second form: each also under that setting
+        other = {"collapse": {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}, "router": {"VLLM_DSV41_ROUTER_ONE_PASS": "0"}}
+        for label, recorded in calls.items():
+            us = per_call(recorded)
             total += us if "side stream" not in label else 0.0
-            print(f"  {label:36s} {us:6.1f} µs a call")
+            alt = ""
+            for key, env in other.items():
+                if key in label:
+                    with mock.patch.dict(os.environ, env):
+                        alt = f"   ({' '.join(f'{k}={v}' for k, v in env.items())}: {per_call(recorded):6.1f})"
+            print(f"  {label:36s} {us:6.1f} µs a call{alt}")
         print(f"  {'sum of the chain ops alone':36s} {total:6.1f} µs a layer (the chain: {base:.1f})")
 
 
