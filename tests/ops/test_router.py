@@ -235,3 +235,30 @@ def test_one_pass_setting(monkeypatch):
     monkeypatch.setenv(router_mod.ONE_PASS_ENV, "yes")
     with pytest.raises(ValueError, match="VLLM_DSV41_ROUTER_ONE_PASS"):
         router_mod.one_pass_setting()
+
+
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("E", [384, 16])
+def test_fused_router_builds_for_sm90(E, one_pass):
+    """The one-row router with its fused epilogue, in both top-k forms, compiles for Hopper (Triton's own ptxas, no
+    GPU) at the tiles the wrapper takes at T = 1, bf16 x: no spills."""
+    from tests.ops.conftest import SM90_SHARED_LIMIT, sm90_build
+
+    pytest.importorskip("triton")
+    from unittest import mock
+
+    with mock.patch.object(router_mod.triton, "cdiv", lambda a, b: -(-a // b)):
+        cfg = router_mod._router_config(1, E, 5120, 132, False)
+    kernel = router_mod._router_gemm_kernel
+    e_pow2 = 1 << (E - 1).bit_length()
+    consts = {"BLOCK_T": cfg["BLOCK_T"], "BLOCK_E": cfg["BLOCK_E"], "BLOCK_K": cfg["BLOCK_K"],
+              "SPLIT_K": cfg["SPLIT_K"], "EVEN_K": True, "UPCAST": False, "SPLIT_X": False, "FUSE_EPILOGUE": True,
+              "ARRIVALS": -(-E // cfg["BLOCK_E"]) * cfg["SPLIT_K"], "TOPK": 6, "K_POW2": 8, "E_POW2": e_pow2,
+              "EPI_T": max(1, min(16, 2048 // e_pow2)), "ONE_PASS": one_pass}
+    ptr = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
+           "ids_ptr": "*i32", "wts_ptr": "*fp32"}
+    sig = {n: ptr.get(n, "constexpr" if n in consts else "fp32" if n == "routed_scaling" else "i32")
+           for n in kernel.arg_names}
+    got = sm90_build(kernel, sig, consts, cfg["num_warps"], cfg["num_stages"])
+    print(f"router E={E} one_pass={one_pass} {cfg}: {got}")
+    assert got["shared"] <= SM90_SHARED_LIMIT and got["regs"] <= 255 and got["stack"] == 0, got
