@@ -877,8 +877,10 @@ def collapse_rows() -> int:
 def _rows_config(T: int, H: int, fuse_post: bool) -> dict:
     """Launch parameters of ``_mhc_collapse_rows_kernel``: the H chunk, the programs a token (each writes H / programs
     columns, and every one reads the token's whole stream) and the warps."""
-    block_h = min(1024, _next_pow2(H))
-    return dict(block_h=block_h, programs=max(1, min(8, _cdiv(H, block_h))), num_warps=4)
+    block_h = min(2048, _next_pow2(H))
+    if fuse_post:
+        return dict(block_h=block_h, programs=max(1, min(3, _cdiv(H, block_h))), num_warps=8)
+    return dict(block_h=block_h, programs=1, num_warps=16)
 
 
 def _launch_collapse_rows(stream, pre_prev, norm_w, eps, post_inputs, config, x, new_stream, codes, scales):
