@@ -31,3 +31,17 @@ def test_stream_table(profile_steps):
 
 def test_stream_table_empty(profile_steps):
     assert profile_steps.stream_table([]) == (None, {}, {})
+
+
+def test_critical_path(profile_steps):
+    # a [0, 10] forks into b [11, 20] and a longer side branch s [11, 30]; j [31, 35] joins them, so the path is
+    # a -> s -> j (s finished last before j started), with gaps of 1 µs before s and before j; b is off the path
+    ivs = [("a", 1, 0.0, 10.0), ("b", 1, 11.0, 20.0), ("s", 2, 11.0, 30.0), ("j", 1, 31.0, 35.0)]
+    on, gaps = profile_steps.critical_path(ivs)
+    assert on == {"j": [1, pytest.approx(4.0)], "s": [1, pytest.approx(19.0)], "a": [1, pytest.approx(10.0)]}
+    assert gaps == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert sum(v[1] for v in on.values()) + sum(gaps) == pytest.approx(35.0)  # the span
+    # a kernel waiting for the host: the long gap is the path's, and two launches of one kernel add up
+    on, gaps = profile_steps.critical_path([("k", 1, 0.0, 2.0), ("k", 1, 102.0, 105.0)])
+    assert on == {"k": [2, pytest.approx(5.0)]} and gaps == [pytest.approx(100.0)]
+    assert profile_steps.critical_path([]) == ({}, [])

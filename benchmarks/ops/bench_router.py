@@ -114,16 +114,16 @@ def graph_us(fn, calls: int = 16) -> float:
 
 def epilogues() -> None:
     """The top-k epilogue's two forms at decode sizes, graph-replayed: one reduction of (score, id, s) a round
-    (``ONE_PASS``, the default) against three; the picks must agree."""
+    (``ONE_PASS``) against three (the default); the picks must agree."""
     from vllm_dsv41.ops import router as r
 
     print("\ntop-k epilogue, graph-replayed µs a call: one reduction a round / three reductions a round")
     for E, k in ((384, 6), (32, 6), (16, 6)):
         for T in (1, 4, 16):
             x, w, b = make(T, E)
-            one = graph_us(lambda: r._router_triton(x, w, b, k, 1.5))
+            one = graph_us(lambda: r._router_triton(x, w, b, k, 1.5, config={"ONE_PASS": True}))
             three = graph_us(lambda: r._router_triton(x, w, b, k, 1.5, config={"ONE_PASS": False}))
-            same = torch.equal(r._router_triton(x, w, b, k, 1.5)[0],
+            same = torch.equal(r._router_triton(x, w, b, k, 1.5, config={"ONE_PASS": True})[0],
                                r._router_triton(x, w, b, k, 1.5, config={"ONE_PASS": False})[0])
             print(f"  T{T} E{E} k{k}: {one:6.2f} / {three:6.2f} µs ({100 * (three - one) / three:+.1f}%), "
                   f"ids equal {same}", flush=True)

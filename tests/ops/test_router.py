@@ -138,10 +138,11 @@ INTERPRET_CASES = {
     # the launcher's own choice (fuse_pays): two kernels for 16 x 384 tiles, fused for 1 x 384
     "T20-E384-H64-k6-default": (20, 384, 64, 6, "grid", "bfloat16", None, None),
     "T1-E384-H64-k6-default": (1, 384, 64, 6, "grid", "bfloat16", None, None),
-    # the earlier top-k epilogue (three reductions a round), kept for comparison, with ties and both kernels
-    "T19-E128-H96-k3-ties-three-reductions": (19, 128, 96, 3, "ties", "bfloat16", True, {"ONE_PASS": False}),
-    "T70-E384-H64-k6-unfused-three-reductions": (70, 384, 64, 6, "grid", "bfloat16", False, {"ONE_PASS": False}),
-    "T1-E16-H64-k6-ties": (1, 16, 64, 6, "ties", "bfloat16", True, None),
+    # the top-k epilogue's one-reduction rounds (VLLM_DSV41_ROUTER_ONE_PASS=1), with ties and both kernels
+    "T19-E128-H96-k3-ties-one-pass": (19, 128, 96, 3, "ties", "bfloat16", True, {"ONE_PASS": True}),
+    "T70-E384-H64-k6-unfused-one-pass": (70, 384, 64, 6, "grid", "bfloat16", False, {"ONE_PASS": True}),
+    "T1-E16-H64-k6-ties-one-pass": (1, 16, 64, 6, "ties", "bfloat16", True, {"ONE_PASS": True}),
+    "T1-E384-H256-k6-gemv-one-pass": (1, 384, 256, 6, "grid", "bfloat16", True, {"ONE_PASS": True}),
 }
 
 
@@ -229,9 +230,9 @@ def test_cuda_graph_replay():
 
 def test_one_pass_setting(monkeypatch):
     monkeypatch.delenv(router_mod.ONE_PASS_ENV, raising=False)
-    assert router_mod.one_pass_setting()
-    monkeypatch.setenv(router_mod.ONE_PASS_ENV, "0")
     assert not router_mod.one_pass_setting()
+    monkeypatch.setenv(router_mod.ONE_PASS_ENV, "1")
+    assert router_mod.one_pass_setting()
     monkeypatch.setenv(router_mod.ONE_PASS_ENV, "yes")
     with pytest.raises(ValueError, match="VLLM_DSV41_ROUTER_ONE_PASS"):
         router_mod.one_pass_setting()
