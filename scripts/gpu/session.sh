@@ -25,6 +25,8 @@
 #                                          # against vLLM's quantisation + CUTLASS and bf16 cuBLAS
 #   scripts/gpu/session.sh gemvq           # fp8_gemv_q on rows quantised by their producers: CUDA tests, the fast path
 #                                          # end to end with VLLM_DSV41_SMALL_GEMM=gemv, VLLM_DSV41_FUSED_ACT_QUANT=1
+#   scripts/gpu/session.sh priority        # graphs captured on a high-priority stream: the capture stream, the fast path
+#                                          # bitwise against the default capture
 #   scripts/gpu/session.sh pdl             # programmatic dependent launch (VLLM_DSV41_PDL=1): the ops' CUDA tests with it,
 #                                          # the graph chain test; the fast path end to end under the gemvq switches,
 #                                          # with the PDL-on-vs-off bitwise test
@@ -233,6 +235,13 @@ case "${1:-}" in
     VLLM_DSV41_SMALL_GEMM=gemv VLLM_DSV41_FUSED_ACT_QUANT=1 timeout 330 python3 -m pytest -q -s -m gpu \
       -p no:cacheprovider tests/gpu/test_fast_path_cuda.py > "$OUT/gemvq-e2e.log" 2>&1
     grep -E "passed|failed|error|Error|rel err|median" "$OUT/gemvq-e2e.log" | cut -c1-220 | tail -20 ;;
+  priority)
+    # graphs captured on a high-priority stream (VLLM_DSV41_GRAPH_PRIORITY=1): the capture stream's counters and
+    # priority, the fast path bitwise against the default capture.  The timelines are a second call: VARIANTS="base:
+    # prio:VLLM_DSV41_GRAPH_PRIORITY=1 serial:VLLM_DSV41_OVERLAP_ROWS=0" FIRST_LIMIT=240 LIMIT=150 ... variants
+    timeout 330 python3 -m pytest -q -s -p no:cacheprovider tests/attention/test_static_step.py \
+      tests/gpu/test_fast_path_cuda.py -k "capture_stream or graph_priority" > "$OUT/priority-tests.log" 2>&1
+    grep -E "passed|failed|FAILED|Error" "$OUT/priority-tests.log" | tail -8 ;;
   pdl)
     # the ops' CUDA tests launched with PDL, the graph-replayed chain; then the fast path end to end under the gemvq
     # switches with PDL on against off (bitwise), and with PDL against the dequantised path (E2E_K="matches or pdl")

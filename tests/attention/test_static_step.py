@@ -89,3 +89,29 @@ def test_packed_load_switch_rejects_other_values(monkeypatch):
     monkeypatch.setenv(graphs.PACKED_LOAD_ENV, "maybe")
     with pytest.raises(ValueError, match="VLLM_DSV41_PACKED_LOAD='maybe'"):
         graphs.packed_load()
+
+
+def test_graph_priority_switch(monkeypatch):
+    monkeypatch.delenv(graphs.PRIORITY_ENV, raising=False)
+    assert not graphs.graph_priority()
+    monkeypatch.setenv(graphs.PRIORITY_ENV, "1")
+    assert graphs.graph_priority()
+    monkeypatch.setenv(graphs.PRIORITY_ENV, "high")
+    with pytest.raises(ValueError, match="VLLM_DSV41_GRAPH_PRIORITY='high'"):
+        graphs.graph_priority()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams")
+@pytest.mark.parametrize("high", ["0", "1"])
+def test_capture_stream_has_its_counters_and_priority(high, monkeypatch):
+    """The graphs' capture stream: one per device and priority, above the default priority with the switch on, and
+    fp8_gemv's split-K counters (moe_gemv's too) exist for it, zeroed, before any capture."""
+    from vllm_dsv41.ops import fp8_gemv
+
+    monkeypatch.setenv(graphs.PRIORITY_ENV, high)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    s = graphs.capture_stream(dev)
+    assert graphs.capture_stream(dev) is s
+    assert s.priority < torch.cuda.current_stream(dev).priority if high == "1" else s.priority == 0
+    locks = fp8_gemv._LOCKS[(dev.type, dev.index, s.cuda_stream)]
+    assert locks.numel() >= 4096 and not locks.any()

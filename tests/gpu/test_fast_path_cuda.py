@@ -164,3 +164,28 @@ def test_pdl_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
     for k, (a, b) in enumerate(zip(log_off, log_on, strict=True)):
         assert torch.isfinite(b).all(), f"output {k}: non-finite logits with PDL"
         assert torch.equal(a, b), f"output {k}: logits differ with PDL, max |diff| {(a - b).abs().max():.3e}"
+
+
+def test_graph_priority_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
+    """Graphs captured on a high-priority stream (``VLLM_DSV41_GRAPH_PRIORITY=1``) change which waiting blocks an SM
+    takes first, never what a kernel computes: the same tokens and every step's logits bitwise, each prompt alone and
+    the prompts together."""
+    from vllm.inputs import TokensPrompt
+
+    from tests.e2e.test_engine_vs_reference import _vocab_logits
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [[0], [0] + torch.randint(3, 990, (39,), generator=g).tolist(),
+               [0] + torch.randint(3, 990, (150,), generator=g).tolist()]
+    runs = {}
+    for v in ("0", "1"):
+        with _fast_engine(small_ckpt, "quant", monkeypatch, VLLM_DSV41_GRAPH_PRIORITY=v) as (llm, sp):
+            alone = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in prompts]
+            together = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = alone + list(together)
+        runs[v] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o).nan_to_num() for o in outs])
+    (tok_off, log_off), (tok_on, log_on) = runs["0"], runs["1"]
+    assert tok_on == tok_off
+    for k, (a, b) in enumerate(zip(log_off, log_on, strict=True)):
+        assert torch.equal(a, b), f"output {k}: logits differ with the high-priority capture, max |diff| " \
+                                  f"{(a - b).abs().max():.3e}"

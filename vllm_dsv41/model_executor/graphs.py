@@ -448,6 +448,39 @@ def _refill(flat: torch.Tensor, views: list[torch.Tensor], srcs: list[torch.Tens
         torch.cat(parts, out=flat)
 
 
+PRIORITY_ENV = "VLLM_DSV41_GRAPH_PRIORITY"
+
+
+def graph_priority() -> bool:
+    """``VLLM_DSV41_GRAPH_PRIORITY``: ``1`` captures the graphs on a high-priority stream, so that their main-stream
+    kernels outrank the side streams' (``overlap.py``) when both have blocks waiting for an SM; ``0`` (default, until
+    a GPU measures it) at the default priority.  A captured kernel node keeps its capture stream's priority, and
+    PyTorch instantiates graphs to honour the nodes' priorities (``cudaGraphInstantiateFlagUseNodePriority``)."""
+    from vllm_dsv41.ops import env_flag
+
+    return env_flag(PRIORITY_ENV, "0")
+
+
+_CAPTURE_STREAMS: dict[tuple, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream the graphs of ``device`` are captured on (one per device and priority, kept), with the split-K
+    counters of ``fp8_gemv`` and ``moe_gemv`` reserved for it before any capture: counters made inside a capture
+    would be graph memory that nothing zeroes until that graph first replays (PyTorch's own capture stream had
+    none reserved)."""
+    high = graph_priority()
+    key = (device.index, high)
+    stream = _CAPTURE_STREAMS.get(key)
+    if stream is None:
+        # lower numbers are higher priorities; -1 is above the default 0 of every other stream of the process
+        stream = _CAPTURE_STREAMS[key] = torch.cuda.Stream(device=device, priority=-1 if high else 0)
+        from vllm_dsv41.ops import fp8_gemv
+
+        fp8_gemv.reserve(device, (stream,))
+    return stream
+
+
 class _GraphSet:
     """What the two graph sets share: one memory pool, the captured entries by key, and a capture that, when an
     op turns out capture-unsafe, leaves the steps eager instead of failing the request."""
@@ -470,13 +503,16 @@ class _GraphSet:
         return min(_pow2_at_least(int(meta.positions.max()) + 1, MIN_CONTEXT), _pow2_at_least(self.max_context))
 
     def _capture(self, step: StaticStep, fn: Callable[[], object]) -> tuple[object, object] | None:
-        """(graph, outputs) of ``fn()`` captured over ``step`` (its per-step results recomputed inside), or None."""
+        """(graph, outputs) of ``fn()`` captured over ``step`` (its per-step results recomputed inside) on
+        :func:`capture_stream`, or None."""
         try:
             step.scratch.clear()
             graph = torch.cuda.CUDAGraph()
             if self.pool is None:
                 self.pool = torch.cuda.graph_pool_handle()
-            with _static_step(), torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            stream = capture_stream(step.device)
+            with _static_step(), torch.cuda.graph(graph, pool=self.pool, stream=stream,
+                                                  capture_error_mode="thread_local"):
                 out = fn()
             return graph, out
         except Exception as e:  # a capture-unsafe op: serve eagerly rather than fail the request
