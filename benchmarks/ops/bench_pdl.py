@@ -42,6 +42,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--per-op", action="store_true", help="also each op alone: its layers' calls in one graph")
+    ap.add_argument("--overlap", action="store_true",
+                    help="only the chain as the model runs it at batch 1: the shared expert and mhc_coeffs on side "
+                         "streams, captured on a stream of default or high priority, serial for comparison")
     ap.add_argument("--settings", nargs="+", default=["off", "pdl", "pdl+prefetch"], choices=list(SETTINGS),
                     help="the settings to time (off always first)")
     args = ap.parse_args()
@@ -97,6 +100,9 @@ def main() -> None:
             y = call("moe_gemv", ops.moe_gemv, x, *experts[li % 2], ids, wts, LIMIT)
         return s, y, y2
 
+    if args.overlap:
+        overlap(args, triton, layers, experts, stream0, y0, post, comb, pre, norm_w)
+        return
     results, times = {}, {}
     for name in ["off", *(n for n in args.settings if n != "off")]:
         with mock.patch.dict(os.environ, SETTINGS[name]):
@@ -145,6 +151,72 @@ def main() -> None:
                         alt = f"   ({' '.join(f'{k}={v}' for k, v in env.items())}: {per_call(recorded):6.1f})"
             print(f"  {label:36s} {us:6.1f} µs a call{alt}")
         print(f"  {'sum of the chain ops alone':36s} {total:6.1f} µs a layer (the chain: {base:.1f})")
+
+
+def overlap(args, triton, layers, experts, stream0, y0, post, comb, pre, norm_w) -> None:
+    """The layer chain with the model's side streams (``overlap.beside``: the shared expert on lane 0, the boundary's
+    ``mhc_coeffs`` on lane 1), each setting captured on a stream of priority 0 or -1 (the side streams keep 0), and
+    the same chain serial on one stream; µs a layer, outputs against the serial run."""
+    ops = torch.ops.dsv41
+    nmix = (2 + C) * C
+    fn = torch.randn(nmix, C * H, device="cuda") * (C * H) ** -0.5
+    cbase, cscale = torch.randn(nmix, device="cuda") * 0.5, torch.tensor([0.8, 1.2, 3.0], device="cuda")
+    lanes = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def side(lane, work):
+        """``work()`` on side stream ``lane`` after what the current stream has queued; -> (its result, its event)."""
+        st = lanes[lane]
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            out = work()
+        return out, st
+
+    def chain(split: bool):
+        s, y, y2 = stream0, y0, None
+        for li, p in enumerate(layers):
+            s, x, q, qs = ops.mhc_post_collapse_quant(s, y, post, comb, pre, norm_w, 1e-6, y2)
+            coeffs = lambda s=s: ops.mhc_coeffs(s, fn, cbase, cscale, 1e-6, 1e-6, 20)  # noqa: E731
+            c1, st1 = side(1, coeffs) if split else (coeffs(), None)
+            a = ops.fp8_gemv_q(q, qs, *p["qa"])
+            b = ops.fp8_gemv(a[:, :Q_LORA].contiguous(), *p["qb"])
+            y = ops.fp8_gemv(ops.fp8_gemv(b, *p["oa"], GROUPS), *p["ob"])
+            if st1 is not None:
+                torch.cuda.current_stream().wait_stream(st1)
+            s, x, q, qs = ops.mhc_post_collapse_quant(s, y, post, comb, pre, norm_w, 1e-6)
+            shared = lambda q=q, qs=qs, p=p: ops.fp8_gemv_q(  # noqa: E731
+                *ops.swiglu_quant(ops.fp8_gemv_q(q, qs, *p["w13"]), LIMIT)[1:], *p["w2"])
+            coeffs = lambda s=s: ops.mhc_coeffs(s, fn, cbase, cscale, 1e-6, 1e-6, 20)  # noqa: E731
+            (y2, st0), (c2, st1) = (side(0, shared), side(1, coeffs)) if split else ((shared(), None), (coeffs(), None))
+            ids, wts = ops.router(x, p["gate"], p["bias"], K_SLOTS, 1.0)
+            y = ops.moe_gemv(x, *experts[li % 2], ids, wts, LIMIT)
+            for st in (st0, st1):
+                if st is not None:
+                    torch.cuda.current_stream().wait_stream(st)
+        return s, y, y2
+
+    want = None
+    for label, split, prio, env in (("serial", False, 0, {}), ("side streams", True, 0, {}),
+                                    ("side streams, high-priority capture", True, -1, {}),
+                                    ("side streams + one-launch collapse", True, 0, {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}),
+                                    ("side streams, high priority + one-launch collapse", True, -1,
+                                     {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"})):
+        cap = torch.cuda.Stream(priority=prio)
+        with mock.patch.dict(os.environ, env):
+            cap.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(cap):  # eagerly on the capture stream first: its counters exist before capture
+                out = chain(split)
+            torch.cuda.current_stream().wait_stream(cap)
+            torch.cuda.synchronize()
+            want = want if want is not None else out
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=cap):
+                got = chain(split)
+        graph.replay()
+        torch.cuda.synchronize()
+        same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got))
+        ms = triton.testing.do_bench(graph.replay, warmup=10, rep=300, return_mode="median")
+        print(f"  {label:50s} {ms * 1e3 / len(layers):7.1f} µs a layer (capture priority {cap.priority}); "
+              f"outputs bitwise the serial eager run's: {same}", flush=True)
 
 
 if __name__ == "__main__":
