@@ -470,6 +470,8 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     would be graph memory that nothing zeroes until that graph first replays (PyTorch's own capture stream had
     none reserved)."""
     high = graph_priority()
+    if device.index is None:  # the counters are keyed by the index the kernels' tensors carry
+        device = torch.device("cuda", torch.cuda.current_device())
     key = (device.index, high)
     stream = _CAPTURE_STREAMS.get(key)
     if stream is None:
