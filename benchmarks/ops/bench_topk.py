@@ -2,6 +2,7 @@
 
     python benchmarks/ops/bench_topk.py            # all cases, then a small launch-config sweep
     python benchmarks/ops/bench_topk.py --no-sweep
+    python benchmarks/ops/bench_topk.py --decode     # the batch-1 decode rows, every route, graph-replayed
 
 Rows are fully visible (n_vis = N) Gaussian scores.  Per case it prints the median time of
   ref      the op's reference on the GPU (stable sort of the whole row: the exact tie rule),
@@ -97,11 +98,50 @@ def sweep() -> None:
         del s, nv
 
 
+def graph_us(fn, calls: int = 16) -> float:
+    """µs a call of ``fn`` replayed ``calls`` times from one CUDA graph (no host launch cost, as in a decode step)."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3 / calls
+
+
+def decode() -> None:
+    """The batch-1 decode selections (top-512 of one row of 1-4k visible entries), graph-replayed, by route: the
+    register route with 4-bit digits (the default) and 8-bit digits, its sort form (``REG_SORT``), the compaction
+    path (``IN_REGS`` off) and ``torch.topk``; each checked against the reference."""
+    from vllm_dsv41.ops import topk as m
+
+    routes = {"regs 4-bit": {}, "regs 8-bit": {"REG_BITS": 8}, "regs sort": {"REG_SORT": True},
+              "compaction": {"IN_REGS": False}}
+    print("\ndecode rows (graph-replayed µs a call; n_vis = N):")
+    for T in (1, 4):
+        for N in (1024, 2048, 4096):
+            s, nv = make(T, N)
+            want = m.topk_select_ref(s, nv, TOPK)
+            cols = []
+            for name, cfg in routes.items():
+                ok = torch.equal(m._topk_select_triton(s, nv, TOPK, config=cfg), want)
+                us = graph_us(lambda cfg=cfg: m._topk_select_triton(s, nv, TOPK, config=cfg))
+                cols.append(f"{name} {us:6.2f}{'' if ok else ' MISMATCH'}")
+            cols.append(f"torch.topk {graph_us(lambda: torch.topk(s, TOPK, dim=-1, sorted=False)):6.2f}")
+            print(f"  T{T} N{N}: " + "  ".join(cols), flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--decode", action="store_true", help="only the batch-1 decode rows, every route")
     args = parser.parse_args()
     if open_gpu("bench_topk") is None:
+        return 0
+    if args.decode:
+        decode()
         return 0
     print("  fp32 Gaussian scores, n_vis = N")
     run_cases()

@@ -162,6 +162,11 @@ INTERPRET_CASES = {
     "topk-regs-T4-N1280-k512-distinct": ("topk", 4, 1280, 512, "distinct", None),
     "topk-regs-T4-N2048-k512-ties-bits8": ("topk", 4, 2048, 512, "ties", {"REG_BITS": 8}),
     "topk-regs-T4-N40-k64-short": ("topk", 4, 40, 64, "ties", None),
+    # the register route's sort form (REG_SORT): ties (lower index first), -inf rows, a short visible part, 2 programs
+    "topk-sort-T5-N1501-k64-ties": ("topk", 5, 1501, 64, "ties", {"REG_SORT": True}),
+    "topk-sort-T5-N1000-k100-neginf-programs2": ("topk", 5, 1000, 100, "neginf", {"REG_SORT": True, "PROGRAMS": 2}),
+    "topk-sort-T4-N2048-k512-relu": ("topk", 4, 2048, 512, "relu", {"REG_SORT": True}),
+    "topk-sort-T4-N1280-k512-distinct": ("topk", 4, 1280, 512, "distinct", {"REG_SORT": True}),
     "cand-T5-N2003-b8-nb64-relu": ("cand", 5, 2003, (8, 64), "relu", None),
     "cand-T5-N1200-b4-nb100-ties-block256": ("cand", 5, 1200, (4, 100), "ties", {"BLOCK": 256}),
     "cand-T4-N1200-b8-nb40-neginf": ("cand", 4, 1200, (8, 40), "neginf", None),
@@ -219,13 +224,15 @@ def test_register_route_switch(monkeypatch):
     assert not route(8192)
 
 
-@pytest.mark.parametrize("n,bits", [(2048, 4), (4096, 4), (4096, 8)])
-def test_register_route_builds_for_sm90_without_spills(n, bits):
-    """The register route at its widest tiles compiles for Hopper with the row in registers, nothing spilled."""
+@pytest.mark.parametrize("n,bits,sort", [(2048, 4, False), (4096, 4, False), (4096, 8, False), (2048, 4, True)])
+def test_register_route_builds_for_sm90_without_spills(n, bits, sort):
+    """The register route at its widest tiles compiles for Hopper with the row in registers, nothing spilled (its
+    sort form at the batch-1 decode rows' 2,048-wide tile)."""
     from tests.ops.conftest import sm90_build
 
     cfg = topk_mod._resolve_in_regs(topk_mod._select_config(n, 512), n)
     cfg["REG_BITS"] = bits
+    cfg["REG_SORT"] = sort
     args = topk_mod._launch_args(cfg)
     num_warps = args.pop("num_warps")
     sig = {"scores_ptr": "*fp32", "nvis_ptr": "*i32", "out_ptr": "*i32", "cand_key_ptr": "*i32",
@@ -234,11 +241,23 @@ def test_register_route_builds_for_sm90_without_spills(n, bits):
     const = dict(args, OUT_BLOCK=512)
     sig.update({name: "constexpr" for name in const})
     got = sm90_build(topk_mod._topk_select_kernel, sig, const, num_warps)
-    print(f"topk_select register route, N {n}, {bits}-bit digits: {got}")
+    print(f"topk_select register route, N {n}, {bits}-bit digits, sort {sort}: {got}")
     assert got["stack"] == 0
 
 
 # --------------------------------------------------------------------------- (c) CUDA
+
+
+@requires_cuda
+@pytest.mark.parametrize("N", [600, 1280, 2048, 4096])
+@pytest.mark.parametrize("kind", KINDS)
+def test_cuda_topk_select_sort_form(N, kind):
+    """The register route's sort form (``REG_SORT``) at serving sizes: the reference's indices exactly."""
+    s, n_vis = make_scores(3, N, kind, seed=N, device="cuda")
+    s2, n2 = make_scores(9, N, kind, seed=N + 1, device="cuda", n_vis=edge_rows(N, 512))
+    for scores, nv in ((s, n_vis), (s2, n2)):
+        got = topk_mod._topk_select_triton(scores, nv, 512, config={"REG_SORT": True})
+        assert torch.equal(got, topk_mod.topk_select_ref(scores, nv, 512))
 
 
 @requires_cuda

@@ -251,18 +251,29 @@ def _gather(key_ptr, idx_ptr, n, tau, k_eq, dst_ptr, IS_KEY: tl.constexpr, HAS_I
 
 @triton.jit
 def _select_row_in_registers(src_ptr, n, k, dst_ptr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                             NBINS: tl.constexpr):
+                             NBINS: tl.constexpr, SORT: tl.constexpr = False):
     """:func:`_select_row` for a row that fits one tile (n <= BLOCK): the keys are loaded once and stay in
-    registers through the 32 / BITS counting passes and the gather (no scratch, no second read)."""
+    registers through the 32 / BITS counting passes and the gather (no scratch, no second read).
+
+    ``SORT``: instead of the counting passes, one bitonic sort of (key, BLOCK - 1 - index) pairs packed in int64
+    (unique, ordered as the tie rule orders the entries: larger key first, then lower index), whose k-th largest is
+    the threshold; the k pairs at or above it are the selection, written in index order by one prefix sum."""
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     key = _float_key(tl.load(src_ptr + offs, mask=ok, other=float("-inf")))
-    tau = 0
-    k_eq = k
-    for p in tl.static_range(32 // BITS):
-        hist = _tile_hist(key, ok, tau, 32 - (p + 1) * BITS, BITS, NBINS, p == 0)
-        tau, k_eq = _pick_digit(hist, tau, k_eq, 32 - (p + 1) * BITS, BITS, NBINS, p == 0)
-    _gather_tile(key, ok, offs, tau, k_eq, dst_ptr, 0, 0)
+    if SORT:
+        packed = (tl.where(ok, key, _KEY_MIN).to(tl.int64) << 32) | (BLOCK - 1 - offs).to(tl.int64)
+        ranked = tl.sort(packed, descending=True)
+        threshold = tl.sum(tl.where(offs == k - 1, ranked, 0))
+        take = (ok & (packed >= threshold)).to(tl.int32)
+        tl.store(dst_ptr + tl.cumsum(take, 0) - take, offs, mask=take != 0)
+    else:
+        tau = 0
+        k_eq = k
+        for p in tl.static_range(32 // BITS):
+            hist = _tile_hist(key, ok, tau, 32 - (p + 1) * BITS, BITS, NBINS, p == 0)
+            tau, k_eq = _pick_digit(hist, tau, k_eq, 32 - (p + 1) * BITS, BITS, NBINS, p == 0)
+        _gather_tile(key, ok, offs, tau, k_eq, dst_ptr, 0, 0)
 
 
 @triton.jit
@@ -332,7 +343,7 @@ def _topk_select_kernel(
     BLOCK: tl.constexpr, GROUPS: tl.constexpr, OUT_BLOCK: tl.constexpr, CAND_BLOCK: tl.constexpr,
     CAND_BITS: tl.constexpr, CAND_BINS: tl.constexpr, ROW_BITS: tl.constexpr, ROW_BINS: tl.constexpr,
     STAGES: tl.constexpr, IN_REGS: tl.constexpr, REG_BITS: tl.constexpr, REG_BINS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    REG_SORT: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     # IN_REGS: every row fits one tile (N <= BLOCK) and is selected in registers
     if PDL:  # programmatic dependent launch: the previous kernel first
@@ -350,7 +361,7 @@ def _topk_select_kernel(
             _write_prefix_row(dst, n, topk, OUT_BLOCK)
         elif IN_REGS:
             _select_row_in_registers(scores_ptr + row.to(tl.int64) * stride_s, n, topk, dst, BLOCK, REG_BITS,
-                                     REG_BINS)
+                                     REG_BINS, REG_SORT)
         else:
             _select_row(scores_ptr + row.to(tl.int64) * stride_s, n, topk, dst, cand_key, cand_idx,
                         cap, False, BLOCK, GROUPS, CAND_BLOCK, CAND_BITS, CAND_BINS, ROW_BITS,
@@ -426,7 +437,7 @@ def _select_config(n: int, k: int) -> dict:
     block = max(groups, min(2048, max(256, triton.next_power_of_2(n))))
     return dict(BLOCK=block, GROUPS=groups, CAND_BLOCK=1024, CAND_BITS=4, ROW_BITS=8, STAGES=3,
                 CAP=min(n, max(16 * k, 16384)), PROGRAMS=None, num_warps=8 if block >= 2048 else 4,
-                IN_REGS=None, REG_BITS=4)
+                IN_REGS=None, REG_BITS=4, REG_SORT=False)
 
 
 def _resolve_in_regs(cfg: dict, n: int) -> dict:
@@ -497,7 +508,7 @@ def _candidate_blocks_triton(scores: torch.Tensor, n_vis: torch.Tensor, block_si
     if T == 0 or n_blocks == 0:
         return out
     cfg = _select_config(nb, n_blocks)
-    del cfg["IN_REGS"], cfg["REG_BITS"]  # block keys are staged in scratch: no register route
+    del cfg["IN_REGS"], cfg["REG_BITS"], cfg["REG_SORT"]  # block keys are staged in scratch: no register route
     cfg.update(config or {})
     programs = cfg["PROGRAMS"] or _programs(scores.device, T)
     # scratch is only touched by rows with more than n_blocks visible blocks
