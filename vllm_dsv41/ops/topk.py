@@ -54,6 +54,12 @@ the scratch is per program), an exact select on the float bit pattern:
   one read and 8 histograms of at most 4,096 keys, with no scratch and no barriers on global memory.  A batch-64
   decode step's rows are 550-1,280 entries in 1,024-2,048 columns (bench workload), which the compaction path above
   took 28-33 µs for (session 21 profile; pass A, pass B, the candidate radix and the gather each a loop over memory).
+* The register route's sort form (``REG_SORT``, a config option, session 32; not yet timed): one bitonic sort
+  (``tl.sort``) of the row's (key, BLOCK - 1 - index) pairs packed in int64, whose k-th largest is the threshold,
+  then one prefix sum writes the k indices at or above it in index order.  A batch-1 decode step's selections are
+  8 launches of ~30 µs (docs/benchmarks.md, sessions 31-32): eight counting passes of 4-bit digits, each a histogram
+  with barriers, on one CTA; the sort trades them for log2(BLOCK) * (log2(BLOCK) + 1) / 2 compare-exchange stages.
+  ``benchmarks/ops/bench_topk.py --decode`` times the routes.
 * ``candidate_blocks`` first writes the per-block maxima as keys (the pinned block gets the key of
   +inf) to a per-program scratch row, then runs the same select over the nvb = ceil(n_vis /
   block_size) block keys with G = n_blocks classes.
