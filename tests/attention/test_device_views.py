@@ -204,20 +204,23 @@ def test_graph_capture_plumbing(monkeypatch, caplog):
     captures = []
 
     @contextlib.contextmanager
-    def fake_graph(graph, pool=None, capture_error_mode=None):
-        captures.append((pool, capture_error_mode, graphs.in_static_step()))
+    def fake_graph(graph, pool=None, stream=None, capture_error_mode=None):
+        captures.append((pool, stream, capture_error_mode, graphs.in_static_step()))
         yield
 
     monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
     monkeypatch.setattr(torch.cuda, "graph", fake_graph)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(graphs, "capture_stream", lambda device: f"capture stream of {device}")
     for cls in (graphs.DecodeGraphs, graphs.DecoderGraphs):
         gs = cls(lambda *a: None, 8, 1024, *([128] if cls is graphs.DecoderGraphs else []))
-        step = SimpleNamespace(scratch={"stale": 1})
+        step = SimpleNamespace(scratch={"stale": 1}, device="dev")
         seen = []
         got = gs._capture(step, lambda: seen.append(dict(step.scratch)) or torch.ones(2))
         assert got is not None and got[0] == "graph" and torch.equal(got[1], torch.ones(2))
-        assert seen == [{}] and gs.pool == "pool" and captures[-1] == ("pool", "thread_local", True)
+        # captured in the set's pool, on the graphs' own capture stream (graphs.capture_stream), in static-step mode
+        assert seen == [{}] and gs.pool == "pool"
+        assert captures[-1] == ("pool", "capture stream of dev", "thread_local", True)
         assert not graphs.in_static_step() and gs.failed is None
         gs.entries[("k",)] = "captured earlier"
 
