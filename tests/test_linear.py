@@ -185,6 +185,41 @@ def test_bf16_dense_gemm_backend(groups, monkeypatch):
     assert got.dtype == x.dtype and torch.equal(got, want.float())
 
 
+def test_grouped_gemv_route(monkeypatch):
+    """``VLLM_DSV41_GROUPED_GEMM=gemv`` with the other layers on CUTLASS: the grouped layer keeps its FP8 rows and its
+    bf16 copy, passes of at most 16 rows go through ``dsv41::fp8_gemv`` (its groups in one call), longer ones through
+    the batched bf16 GEMM; an ungrouped layer is left on the default route (no GEMV rows)."""
+    from vllm_dsv41.ops import fp8_gemv
+
+    monkeypatch.setenv(linear.GROUPED_GEMM_ENV, "gemv")
+    monkeypatch.delenv(linear.SMALL_GEMM_ENV, raising=False)
+    monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    g = torch.Generator().manual_seed(5)
+    lin, ref = _fp8_layer(4, g)
+    lin.finalize()
+    assert lin.gemv_rows == 16 and lin.w8 is not None and torch.equal(lin.w16, ref.to(torch.bfloat16))
+    x = _grouped_input(4, g)  # 3 rows: the GEMV
+    want = fp8_gemv.fp8_gemv_ref(x.reshape(3, -1).bfloat16(), lin.w8, lin.w8_scale, 4).view(3, 4, -1)
+    assert torch.equal(lin(x), want.to(x.dtype))
+    long = torch.randn(20, 4, K_IN, generator=g)  # past the GEMV rows: the bf16 copy
+    w16 = lin.w16.view(4, N_OUT // 4, K_IN)
+    assert torch.equal(lin(long), torch.einsum("tgk,gok->tgo", long.bfloat16(), w16).float())
+    plain, _ = _fp8_layer(1, g)
+    plain.finalize()
+    assert plain.gemv_rows == 0 and plain.w16 is None and plain.w8 is not None
+
+
+def test_grouped_gemm_backend_env(monkeypatch):
+    monkeypatch.delenv(linear.GROUPED_GEMM_ENV, raising=False)
+    assert linear.grouped_gemm_backend() == "bf16"
+    monkeypatch.setenv(linear.GROUPED_GEMM_ENV, " GEMV ")
+    assert linear.grouped_gemm_backend() == "gemv"
+    monkeypatch.setenv(linear.GROUPED_GEMM_ENV, "cutlass")
+    with pytest.raises(ValueError, match="VLLM_DSV41_GROUPED_GEMM='cutlass': expected bf16, fused_moe or gemv"):
+        linear.grouped_gemm_backend()
+
+
 def test_dense_gemm_backend_env(monkeypatch):
     monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
     assert dense_gemm_backend() == "w8a8"

@@ -170,7 +170,7 @@ def _step_drift(eager: list[torch.Tensor], static: list[torch.Tensor], step: int
 
 
 @pytest.mark.parametrize("gemm,streams", [("bf16", "fp32"), ("fp8", "fp32"), ("w8a8", "fp32"), ("w8a8", "auto"),
-                                          ("w8a8-triton", "fp32"), ("w8a8-gemv", "fp32")])
+                                          ("w8a8-triton", "fp32"), ("w8a8-gemv", "fp32"), ("w8a8-woa", "fp32")])
 def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams):
     """bf16: the tiny model through the fast path's code, eager and as padded static decode steps: the
     layout is the fast one, every logit is finite, no op inside a static step reads a device value on the
@@ -186,16 +186,18 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams)
     logits, no host reads and an equal (eager) prefill step.  ``w8a8-triton``: ``VLLM_DSV41_SMALL_GEMM=triton``, the
     passes of at most 64 rows through ``dsv41::fp8_rows_gemm`` (the grouped ``wo_a`` too, on its FP8 rows), longer
     ones through the W8A8 path; ``w8a8-gemv``: ``VLLM_DSV41_SMALL_GEMM=gemv``, the passes of at most 16 rows (decode)
-    through ``dsv41::fp8_gemv`` (the grouped ``wo_a`` on the FP8 copy it keeps beside the bf16 one)."""
+    through ``dsv41::fp8_gemv`` (the grouped ``wo_a`` on the FP8 copy it keeps beside the bf16 one); ``w8a8-woa``:
+    ``VLLM_DSV41_GROUPED_GEMM=gemv``, only the grouped ``wo_a``'s decode passes through ``dsv41::fp8_gemv``."""
     from vllm_dsv41.ops import fp8_gemm, fp8_gemv
 
     dense, _, small = gemm.partition("-")
     monkeypatch.setenv(linear.DENSE_GEMM_ENV, dense)
-    monkeypatch.setenv(linear.SMALL_GEMM_ENV, small or "cutlass")
+    monkeypatch.setenv(linear.SMALL_GEMM_ENV, small if small in ("triton", "gemv") else "cutlass")
+    monkeypatch.setenv(linear.GROUPED_GEMM_ENV, "gemv" if small == "woa" else "bf16")
     monkeypatch.setenv("VLLM_DSV41_STREAMS", streams)
     _emulate_fast_path(monkeypatch, torch.bfloat16)
     rows_calls = {"ungrouped": 0, "grouped": 0}
-    small_op = (fp8_gemv, "fp8_gemv") if small == "gemv" else (fp8_gemm, "fp8_rows_gemm")
+    small_op = (fp8_gemv, "fp8_gemv") if small in ("gemv", "woa") else (fp8_gemm, "fp8_rows_gemm")
     rows_gemm = getattr(*small_op)
 
     def counted(x, w8, w_scale, groups=1):
@@ -212,9 +214,12 @@ def test_fast_path_wiring_on_cpu(tiny_ckpt, prompts, monkeypatch, gemm, streams)
             layout = llm.apply_model(lambda m: _layout(m, torch.bfloat16))[0]
             outs = _generate(llm, prompts, logits=True)
             runs[mode] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o) for o in outs])
-    assert layout == fast_layout(["bf16", "w8a8"] if gemm in ("w8a8", "w8a8-gemv") else dense,
+    assert layout == fast_layout(["bf16", "w8a8"] if gemm in ("w8a8", "w8a8-gemv", "w8a8-woa") else dense,
                                  streams="bfloat16" if streams == "auto" else "float32"), layout
-    assert all(rows_calls.values()) if small else not any(rows_calls.values()), rows_calls
+    if small == "woa":  # the grouped layer's decode passes only
+        assert rows_calls["grouped"] and not rows_calls["ungrouped"], rows_calls
+    else:
+        assert all(rows_calls.values()) if small else not any(rows_calls.values()), rows_calls
     for tokens, logits in runs.values():
         assert all(len(t) == 8 for t in tokens) and all(torch.isfinite(lg).all() for lg in logits)
     assert not probe.hits, f"host reads inside static decode steps: {sorted(probe.hits)}"

@@ -95,11 +95,14 @@ def dense_gemm_backend() -> str:
 
 def grouped_gemm_backend() -> str:
     """``VLLM_DSV41_GROUPED_GEMM``: the grouped ``wo_a`` under ``w8a8`` - ``bf16`` (default: one batched cuBLAS GEMM,
-    faster than eight CUTLASS FP8 calls, session 14) or ``fused_moe`` (:func:`grouped_w8a8`: the groups as the experts
-    of vLLM's Triton fused-MoE FP8 kernel, one launch over half of bf16's weight bytes; not yet measured)."""
+    faster than eight CUTLASS FP8 calls, session 14), ``fused_moe`` (:func:`grouped_w8a8`: the groups as the experts
+    of vLLM's Triton fused-MoE FP8 kernel, one launch over half of bf16's weight bytes; not yet measured) or ``gemv``
+    (passes of at most :func:`gemv_rows` rows through ``dsv41::fp8_gemv``, its groups in one launch on the FP8 bytes,
+    longer ones through bf16, whatever ``VLLM_DSV41_SMALL_GEMM`` says of the other layers: at one row the batched
+    bf16 GEMM took ~25 µs a layer in the step, the GEMV 20.2 alone, session 32; not yet measured end to end)."""
     v = os.environ.get(GROUPED_GEMM_ENV, "bf16").strip().lower() or "bf16"
-    if v not in ("bf16", "fused_moe"):
-        raise ValueError(f"{GROUPED_GEMM_ENV}={v!r}: expected bf16 or fused_moe")
+    if v not in ("bf16", "fused_moe", "gemv"):
+        raise ValueError(f"{GROUPED_GEMM_ENV}={v!r}: expected bf16, fused_moe or gemv")
     return v
 
 
@@ -584,16 +587,17 @@ class QuantLinear(nn.Module):
         if not self.quant or getattr(self, "retired", False) or not on_fast_device(self.weight):
             return
         backend, small = dense_gemm_backend(), small_gemm_backend()
-        grouped_fp8 = self.groups == 1 or grouped_gemm_backend() == "fused_moe" or small in ("triton", "gemv")
+        grouped = grouped_gemm_backend()
+        grouped_fp8 = self.groups == 1 or grouped in ("fused_moe", "gemv") or small in ("triton", "gemv")
         if backend == "w8a8" and not (grouped_fp8 and w8a8_supported(self.weight.device)):
             backend = "bf16"  # grouped layers stay on bf16 by default (one batched GEMM), as do pre-FP8 GPUs
         if backend == "w8a8":
             self.w8, self.w8_scale = formats.fp8_block_to_rows(self.weight.data, self.scale.data.view(E8M0))
-            if small == "gemv":
+            if small == "gemv" or (self.groups > 1 and grouped == "gemv"):
                 from vllm_dsv41.ops import fp8_gemv
 
                 self.gemv_rows = gemv_rows()
-                if self.groups > 1 and grouped_gemm_backend() == "bf16":  # longer passes: the batched bf16 GEMM
+                if self.groups > 1 and grouped in ("bf16", "gemv"):  # longer passes: the batched bf16 GEMM
                     self.w16 = self.dequantized().to(FAST_GEMM_DTYPE)
                 from vllm_dsv41.model_executor.overlap import side_streams
 
