@@ -30,3 +30,17 @@ def open_gpu(name: str, seed: int = 0):
     print(f"device: {props.name} ({props.multi_processor_count} SMs), torch {torch.__version__}, "
           f"triton {triton.__version__}")
     return triton
+
+
+def graph_us(fn, calls: int = 16) -> float:
+    """µs a call of ``fn`` replayed ``calls`` times from one CUDA graph (after one eager call that compiles it): no host
+    launch cost, as in a captured decode step; the median of ``do_bench``."""
+    import triton
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3 / calls

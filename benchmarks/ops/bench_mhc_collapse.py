@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from _common import open_gpu
+from _common import graph_us, open_gpu
 
 C, H, EPS, CALLS = 4, 5120, 1e-6, 16
 ROWS = [None, dict(block_h=1024, programs=5, num_warps=4), dict(block_h=1024, programs=5, num_warps=8),
@@ -42,8 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 16])
     args = ap.parse_args()
-    triton = open_gpu("bench_mhc_collapse")
-    if triton is None:
+    if open_gpu("bench_mhc_collapse") is None:
         return
     from vllm_dsv41.ops import mhc
 
@@ -57,12 +56,7 @@ def main() -> None:
             for cfg in ROWS:
                 config = {"rows": False} if cfg is None else {"rows": True, **cfg}
                 outs = op(sets[0], config)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for t in sets:
-                        op(t, config)
-                us = triton.testing.do_bench(graph.replay, warmup=20, rep=200, return_mode="median") * 1e3 / CALLS
+                us = graph_us(lambda config=config: [op(t, config) for t in sets], calls=1) / CALLS
                 if base is None:
                     base, check = (us, outs), "the two-launch route"
                 else:

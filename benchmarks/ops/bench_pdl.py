@@ -9,7 +9,7 @@ shared by two sets), all in one CUDA graph, replayed (median of ``do_bench``), u
 ``off`` (``VLLM_DSV41_PDL=0``), ``pdl`` (``=1``) and ``pdl+prefetch`` (with ``VLLM_DSV41_PDL_PREFETCH=1``).  Each
 setting's outputs must equal the ``off`` run's bit for bit (PDL changes when kernels start, not what they compute).
 
-    python3 benchmarks/ops/bench_pdl.py [--layers 16] [--per-op] [--settings off rows router3 ...]
+    python3 benchmarks/ops/bench_pdl.py [--layers 16] [--per-op] [--settings off rows router1 ...]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SETTINGS = {"off": {"VLLM_DSV41_PDL": "0", "VLLM_DSV41_PDL_PREFETCH": "0"},
             "pdl+prefetch": {"VLLM_DSV41_PDL": "1", "VLLM_DSV41_PDL_PREFETCH": "1"},
             # session 32's latency changes on the same chain (not bitwise: the one-launch collapse sums x's squares
             # in another order, and everything after the first boundary follows x)
-            "router3": {"VLLM_DSV41_PDL": "0", "VLLM_DSV41_ROUTER_ONE_PASS": "0"},
+            "router1": {"VLLM_DSV41_PDL": "0", "VLLM_DSV41_ROUTER_ONE_PASS": "1"},
             "rows": {"VLLM_DSV41_PDL": "0", "VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"},
             "rows+pdl": {"VLLM_DSV41_PDL": "1", "VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}}
 
@@ -140,7 +140,7 @@ def main() -> None:
 
         total = 0.0
         # the ops that session 32 gave a second form: each also under that setting
-        other = {"collapse": {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}, "router": {"VLLM_DSV41_ROUTER_ONE_PASS": "0"}}
+        other = {"collapse": {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}, "router": {"VLLM_DSV41_ROUTER_ONE_PASS": "1"}}
         for label, recorded in calls.items():
             us = per_call(recorded)
             total += us if "side stream" not in label else 0.0

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from _common import HBM_BYTES_PER_S, open_gpu
+from _common import HBM_BYTES_PER_S, graph_us, open_gpu
 H = 5120
 CASES = [(E, k, T) for E, k in ((384, 6), (32, 6), (128, 3)) for T in (1, 16, 64, 1024, 8192)]
 
@@ -97,19 +97,6 @@ def sweep() -> None:
         print(f"  T{T}: default {default:.1f} us")
         for t, ok, cfg in sorted(results, key=lambda v: v[0])[:3]:
             print(f"  T{T}: {t:.1f} us  rows-equal {ok:.4f}  {cfg}", flush=True)
-
-
-def graph_us(fn, calls: int = 16) -> float:
-    """µs a call of ``fn`` replayed ``calls`` times from one CUDA graph (no host launch cost, as in a decode step)."""
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3 / calls
 
 
 def epilogues() -> None:

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from _common import HBM_BYTES_PER_S, open_gpu
+from _common import HBM_BYTES_PER_S, graph_us, open_gpu
 TOPK, BLOCK_SIZE, N_BLOCKS = 512, 8, 2048
 ROWS = (1, 64, 1024)
 TOPK_N = (4096, 65536, 524288)
@@ -96,19 +96,6 @@ def sweep() -> None:
         for t, ok, cfg in sorted(results, key=lambda v: v[0])[:3]:
             print(f"  T{T} N{N}: {t:.1f} us  exact {ok}  {cfg}", flush=True)
         del s, nv
-
-
-def graph_us(fn, calls: int = 16) -> float:
-    """µs a call of ``fn`` replayed ``calls`` times from one CUDA graph (no host launch cost, as in a decode step)."""
-    import triton
-
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    return triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median") * 1e3 / calls
 
 
 def decode() -> None:

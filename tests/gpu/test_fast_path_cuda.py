@@ -140,25 +140,31 @@ def test_moe_gemv_route_batch_one(small_ckpt, monkeypatch):
     assert med(err_on) < 0.6 and med(err_on) < 1.5 * med(err_off) + 0.05, (err_on, err_off)
 
 
-def test_pdl_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
-    """Programmatic dependent launch (``VLLM_DSV41_PDL=1``) changes when kernels start, never what they compute: the
-    fast path with its decode graphs serves bitwise the tokens and every step's logits of the same engine with it
-    off, for each prompt alone (the one-token routes) and for the prompts together (multi-row decode)."""
+def _served_off_and_on(small_ckpt, monkeypatch, env: str, seed: int) -> tuple[tuple, tuple]:
+    """The fast path's tokens and every step's logits with the 0/1 switch ``env`` off, then on: three prompts, each
+    alone (the one-token routes) and all together (multi-row decode) -> ((tokens, logits) off, (tokens, logits) on)."""
     from vllm.inputs import TokensPrompt
 
     from tests.e2e.test_engine_vs_reference import _vocab_logits
 
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     prompts = [[0], [0] + torch.randint(3, 990, (39,), generator=g).tolist(),
                [0] + torch.randint(3, 990, (150,), generator=g).tolist()]
     runs = {}
     for v in ("0", "1"):
-        with _fast_engine(small_ckpt, "quant", monkeypatch, VLLM_DSV41_PDL=v) as (llm, sp):
+        with _fast_engine(small_ckpt, "quant", monkeypatch, **{env: v}) as (llm, sp):
             alone = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in prompts]
             together = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         outs = alone + list(together)
         runs[v] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o).nan_to_num() for o in outs])
-    (tok_off, log_off), (tok_on, log_on) = runs["0"], runs["1"]
+    return runs["0"], runs["1"]
+
+
+def test_pdl_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
+    """Programmatic dependent launch (``VLLM_DSV41_PDL=1``) changes when kernels start, never what they compute: the
+    fast path with its decode graphs serves bitwise the tokens and every step's logits of the same engine with it
+    off, for each prompt alone (the one-token routes) and for the prompts together (multi-row decode)."""
+    (tok_off, log_off), (tok_on, log_on) = _served_off_and_on(small_ckpt, monkeypatch, "VLLM_DSV41_PDL", 2)
     print(f"PDL off tokens {tok_off}; on {tok_on}")
     assert tok_on == tok_off
     for k, (a, b) in enumerate(zip(log_off, log_on, strict=True)):
@@ -170,21 +176,7 @@ def test_graph_priority_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
     """Graphs captured on a high-priority stream (``VLLM_DSV41_GRAPH_PRIORITY=1``) change which waiting blocks an SM
     takes first, never what a kernel computes: the same tokens and every step's logits bitwise, each prompt alone and
     the prompts together."""
-    from vllm.inputs import TokensPrompt
-
-    from tests.e2e.test_engine_vs_reference import _vocab_logits
-
-    g = torch.Generator().manual_seed(3)
-    prompts = [[0], [0] + torch.randint(3, 990, (39,), generator=g).tolist(),
-               [0] + torch.randint(3, 990, (150,), generator=g).tolist()]
-    runs = {}
-    for v in ("0", "1"):
-        with _fast_engine(small_ckpt, "quant", monkeypatch, VLLM_DSV41_GRAPH_PRIORITY=v) as (llm, sp):
-            alone = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in prompts]
-            together = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
-        outs = alone + list(together)
-        runs[v] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o).nan_to_num() for o in outs])
-    (tok_off, log_off), (tok_on, log_on) = runs["0"], runs["1"]
+    (tok_off, log_off), (tok_on, log_on) = _served_off_and_on(small_ckpt, monkeypatch, "VLLM_DSV41_GRAPH_PRIORITY", 3)
     assert tok_on == tok_off
     for k, (a, b) in enumerate(zip(log_off, log_on, strict=True)):
         assert torch.equal(a, b), f"output {k}: logits differ with the high-priority capture, max |diff| " \

@@ -629,7 +629,7 @@ def test_one_launch_collapse_builds_for_sm90(fuse):
 
     pytest.importorskip("triton")
     kernel = mhc._kernels().collapse_rows
-    cfg = mhc._rows_config(1, 5120, fuse)
+    cfg = mhc._rows_config(5120, fuse)
     ptr = {"s_ptr": "*bf16", "y_ptr": "*bf16", "y2_ptr": "*bf16", "post_prev_ptr": "*fp32", "comb_prev_ptr": "*fp32",
            "snew_ptr": "*bf16", "pre_prev_ptr": "*fp32", "w_ptr": "*bf16", "x_ptr": "*bf16", "q_ptr": "*u8",
            "qs_ptr": "*fp32"}

@@ -874,7 +874,7 @@ def collapse_rows() -> int:
     return env_rows(COLLAPSE_ROWS_ENV, COLLAPSE_ROWS_DEFAULT)
 
 
-def _rows_config(T: int, H: int, fuse_post: bool) -> dict:
+def _rows_config(H: int, fuse_post: bool) -> dict:
     """Launch parameters of ``_mhc_collapse_rows_kernel``: the H chunk, the programs a token (each writes H / programs
     columns, and every one reads the token's whole stream) and the warps."""
     block_h = min(2048, _next_pow2(H))
@@ -888,7 +888,7 @@ def _launch_collapse_rows(stream, pre_prev, norm_w, eps, post_inputs, config, x,
     programs a token); the same x, stream, codes and scales as the two-kernel collapse but for the order of the sum
     of squares."""
     T, C, H = stream.shape
-    cfg = {**_rows_config(T, H, post_inputs is not None), **(config or {})}
+    cfg = {**_rows_config(H, post_inputs is not None), **(config or {})}
     block_h = cfg["block_h"]
     hp = _cdiv(_cdiv(H, cfg["programs"]), block_h) * block_h
     src, src_strides, add_y2 = _post_sources(stream, pre_prev, post_inputs, new_stream, T, C, H)

@@ -130,12 +130,12 @@ def _router_epilogue(
         for j in tl.static_range(TOPK):
             if ONE_PASS:
                 _, pick, s_pick = tl.reduce((biased, ids2, s), 1, _top1)
-                hit = cols[None, :] == pick[:, None]
             else:
                 best = tl.max(biased, axis=1)
                 # lowest expert id attaining the row max: the shared tie rule
                 pick = tl.min(tl.where(biased == best[:, None], cols[None, :], E_POW2), axis=1)
-                hit = cols[None, :] == pick[:, None]
+            hit = cols[None, :] == pick[:, None]
+            if not ONE_PASS:
                 s_pick = tl.sum(tl.where(hit, s, 0.0), axis=1)
             sel_ids = tl.where(kcol[None, :] == j, pick[:, None], sel_ids)
             sel_s = tl.where(kcol[None, :] == j, s_pick[:, None], sel_s)
