@@ -527,6 +527,41 @@ def test_beside_runs_both_in_order_off_cuda(monkeypatch):
         overlap.overlap_rows()
 
 
+def test_prefetching_is_a_hint_off_cuda_and_names_a_bad_switch(monkeypatch):
+    """:func:`overlap.prefetching` returns ``main()`` whatever the switch (off CUDA no prefetch is issued); a value
+    other than 0/1 fails naming the variable."""
+    from vllm_dsv41.model_executor import overlap
+
+    x, w = torch.zeros(1, 8), torch.zeros(4, 8)
+    calls = []
+    for v in ("0", "1"):
+        monkeypatch.setenv(overlap.L2_PREFETCH_ENV, v)
+        assert overlap.prefetching(x, w, lambda: calls.append(v) or v) == v
+        assert overlap.prefetching(x, None, lambda: v) == v
+    assert calls == ["0", "1"] and overlap.side_stream_for(x, lane=2) is None
+    monkeypatch.setenv(overlap.L2_PREFETCH_ENV, "yes")
+    with pytest.raises(ValueError, match="VLLM_DSV41_L2_PREFETCH"):
+        overlap.prefetching(x, w, lambda: None)
+
+
+def test_weight_read_names_the_streamed_tensor(monkeypatch):
+    """``QuantLinear.weight_read``: the grouped layer under ``VLLM_DSV41_GROUPED_GEMM=gemv`` streams its E4M3 rows for
+    GEMV passes and its bf16 copy for longer ones; a bf16 layer its bf16 matrix."""
+    monkeypatch.setenv(linear.GROUPED_GEMM_ENV, "gemv")
+    monkeypatch.delenv(linear.SMALL_GEMM_ENV, raising=False)
+    monkeypatch.delenv(linear.DENSE_GEMM_ENV, raising=False)
+    monkeypatch.setattr(linear, "on_fast_device", lambda t: True)
+    g = torch.Generator().manual_seed(6)
+    lin, _ = _fp8_layer(4, g)
+    lin.finalize()
+    assert lin.weight_read(1) is lin.w8 and lin.weight_read(16) is lin.w8 and lin.weight_read(17) is lin.w16
+    monkeypatch.setenv(linear.DENSE_GEMM_ENV, "bf16")
+    monkeypatch.delenv(linear.GROUPED_GEMM_ENV)
+    plain, _ = _fp8_layer(1, g)
+    plain.finalize()
+    assert plain.w16 is not None and plain.weight_read(1) is plain.w16
+
+
 def test_bf16_moe_takes_our_tiles_where_vllm_has_no_tuned_file(monkeypatch):
     """32 experts of 2304 (the bench): vLLM ships no tuned file, so the H200 sweep's winner; where a file exists
     (here faked), vLLM's tuned choice for the batch."""

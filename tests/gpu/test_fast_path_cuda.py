@@ -172,6 +172,15 @@ def test_pdl_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
         assert torch.equal(a, b), f"output {k}: logits differ with PDL, max |diff| {(a - b).abs().max():.3e}"
 
 
+def test_l2_prefetch_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
+    """The L2 prefetch of ``wo_a``'s weight beside the attention (``VLLM_DSV41_L2_PREFETCH=1``, lane 2) is a hint:
+    the same tokens and every step's logits bitwise, each prompt alone and the prompts together."""
+    (tok_off, log_off), (tok_on, log_on) = _served_off_and_on(small_ckpt, monkeypatch, "VLLM_DSV41_L2_PREFETCH", 4)
+    assert tok_on == tok_off
+    for k, (a, b) in enumerate(zip(log_off, log_on, strict=True)):
+        assert torch.equal(a, b), f"output {k}: logits differ with the L2 prefetch, max |diff| {(a - b).abs().max():.3e}"
+
+
 def test_graph_priority_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
     """Graphs captured on a high-priority stream (``VLLM_DSV41_GRAPH_PRIORITY=1``) change which waiting blocks an SM
     takes first, never what a kernel computes: the same tokens and every step's logits bitwise, each prompt alone and

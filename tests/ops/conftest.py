@@ -55,12 +55,12 @@ SM90_SHARED_LIMIT = 232448
 
 
 def sm90_build(kernel, signature: dict, constexprs: dict, num_warps: int, num_stages: int = 3,
-               divisible_by_16: tuple[str, ...] | None = None) -> dict:
+               divisible_by_16: tuple[str, ...] | None = None, want_ptx: bool = False) -> dict:
     """Compile a ``triton.jit`` kernel for sm_90 with Triton's own ptxas (no GPU needed) and return its
     ``regs``, ``stack`` (spilled bytes per thread) and ``shared`` (bytes per block); skip the calling test where
     this Triton cannot (no Triton, no cuobjdump in its wheel).  ``divisible_by_16``: the integer arguments a
     launch passes as multiples of 16; with it every pointer is taken as 16-byte aligned too, as Triton's JIT
-    specialises them at a real launch (vector loads, pipelined copies)."""
+    specialises them at a real launch (vector loads, pipelined copies).  ``want_ptx``: the PTX as well (``ptx``)."""
     import importlib.util
     import pathlib
     import re
@@ -96,4 +96,5 @@ def sm90_build(kernel, signature: dict, constexprs: dict, num_warps: int, num_st
         usage = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     line = next(ln for ln in usage.splitlines() if "REG:" in ln)
     regs, stack = (int(re.search(rf"{key}:(\d+)", line).group(1)) for key in ("REG", "STACK"))
-    return {"regs": regs, "stack": stack, "shared": int(compiled.metadata.shared)}
+    got = {"regs": regs, "stack": stack, "shared": int(compiled.metadata.shared)}
+    return {**got, "ptx": compiled.asm["ptx"]} if want_ptx else got

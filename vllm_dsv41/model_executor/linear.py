@@ -656,6 +656,13 @@ class QuantLinear(nn.Module):
             return x @ w.t()
         return torch.einsum("tgk,gok->tgo", x, w.view(self.groups, -1, self.in_features))
 
+    def weight_read(self, rows: int) -> torch.Tensor | None:
+        """The tensor a fast-path pass of ``rows`` rows streams (as :meth:`forward` picks it): the E4M3 weight on
+        the GEMV route, else the bf16 or E4M3 matrix; None where it is a repack or the plain path's."""
+        if self.w8 is not None and 0 < rows <= self.gemv_rows:
+            return self.w8
+        return self.w16 if self.w16 is not None else self.w8
+
     def forward(self, x: torch.Tensor | QuantRows) -> torch.Tensor:
         """x [T, K] (or [T, groups, K] for grouped weights) -> [T, N] (or [T, groups, N/groups]); under ``w8a8`` x may
         be :class:`QuantRows` (ungrouped only; :func:`reads_quantised_rows`), which skip the quantisation."""

@@ -52,7 +52,7 @@ from vllm_dsv41.model_executor.linear import (FUSED_QUANT_MAX_ROWS, Dense, Exper
                                               reads_quantised_rows, resolve_moe_backend)
 from vllm_dsv41.model_executor.graphs import (DecodeGraphs, DecoderGraphs, MixedGraphs, graph_mode, in_static_step,
                                               kept_floors, mixed_graph_mode, prefill_graph_mode)
-from vllm_dsv41.model_executor.overlap import beside
+from vllm_dsv41.model_executor.overlap import beside, prefetching
 from vllm_dsv41.model_executor.step import Step, TokenHistory
 from vllm_dsv41.ops import mhc as mhc_op
 from vllm_dsv41.ops import sparse_attn_gathered
@@ -653,7 +653,8 @@ class Attention(nn.Module):
                 q, _ = beside(xr, side, query)  # xr: qr's rows and device (qr may be QuantRows)
             else:
                 q = query()
-            o = self._attend_ops(model, step, q, out_tok, floors)
+            o = prefetching(xr, self.wo_a.weight_read(xr.shape[0]),
+                            lambda: self._attend_ops(model, step, q, out_tok, floors))
         z = self.wo_a(o.reshape(-1, cfg.o_groups, cfg.heads_per_group * D))
         return self.wo_b(z.flatten(1))  # bf16 on the fast path: the mHC post-mix reads it in fp32
 

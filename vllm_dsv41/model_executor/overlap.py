@@ -22,6 +22,9 @@ stream: :func:`side_streams` lets it reserve the side streams' at load).  ``dsv4
 in one buffer per device (``ops/router.py``), so two routers must not run on two streams at once; it stays on the
 main stream (``MoE._routed``).
 
+Lane 2 (``VLLM_DSV41_L2_PREFETCH``, :func:`prefetching`): ``dsv41::l2_prefetch`` of the next GEMV's weight beside a
+latency-bound phase (the sparse attention before ``wo_a``), so that the GEMV finds its bytes in L2.
+
 Memory: a tensor made on one stream and used on the other is only freed after the join (the main stream waits
 for the side stream before it uses the side's result, and the side stream waits for the main one before every
 fork), so the caching allocator never hands a block to one stream while the other may still read it.
@@ -35,9 +38,16 @@ from typing import Callable, TypeVar
 import torch
 
 from vllm_dsv41.model_executor.linear import env_count
+from vllm_dsv41.ops import env_flag
 
 OVERLAP_ROWS_ENV = "VLLM_DSV41_OVERLAP_ROWS"
 DEFAULT_OVERLAP_ROWS = 1024
+L2_PREFETCH_ENV = "VLLM_DSV41_L2_PREFETCH"
+PREFETCH_MAX_ROWS = 16
+"""Passes of more rows are compute-bound or stream more than the L2 holds: no prefetch."""
+PREFETCH_MAX_BYTES = 40 << 20
+"""At most this much of a weight is asked for (the H100's and H200's L2 is 50 MB)."""
+PREFETCH_PROGRAMS = 16
 
 A = TypeVar("A")
 B = TypeVar("B")
@@ -53,7 +63,7 @@ def _side_stream(device_index: int, lane: int = 0) -> torch.cuda.Stream:
     return torch.cuda.Stream(device=device_index)
 
 
-LANES = (0, 1)
+LANES = (0, 1, 2)
 
 
 def side_streams(device: torch.device) -> tuple[torch.cuda.Stream, ...]:
@@ -92,3 +102,30 @@ def beside(x: torch.Tensor, side: Callable[[], B], main: Callable[[], A], lane: 
     finally:  # join, also when either raised: nothing the side stream still reads is freed to the current one early
         current.wait_stream(stream)
     return m, s
+
+
+def l2_prefetch_setting() -> bool:
+    """``VLLM_DSV41_L2_PREFETCH``: ``1`` prefetches a weight into L2 beside the phase before its GEMV (default ``0``)."""
+    return env_flag(L2_PREFETCH_ENV, "0")
+
+
+def prefetching(x: torch.Tensor, weight: torch.Tensor | None, main: Callable[[], A]) -> A:
+    """``main()``, with ``dsv41::l2_prefetch`` of ``weight`` (its first :data:`PREFETCH_MAX_BYTES`) on lane 2 beside
+    it when the switch is on and the pass over ``x``'s rows is short enough; joined after ``main``.  The prefetch is
+    a hint: ``main``'s results and the weight's reader's are the same either way."""
+    if weight is None or x.shape[0] > PREFETCH_MAX_ROWS or not l2_prefetch_setting():
+        return main()
+    stream = side_stream_for(x, lane=2)
+    if stream is None:
+        return main()
+    from vllm_dsv41.ops import l2_prefetch  # noqa: F401  (defines the op)
+
+    rows = max(1, min(weight.shape[0], PREFETCH_MAX_BYTES // max(1, weight[0].numel() * weight.element_size())))
+    current = torch.cuda.current_stream(x.device)
+    stream.wait_stream(current)
+    try:
+        with torch.cuda.stream(stream):
+            torch.ops.dsv41.l2_prefetch(weight[:rows], PREFETCH_PROGRAMS, False)
+        return main()
+    finally:
+        current.wait_stream(stream)

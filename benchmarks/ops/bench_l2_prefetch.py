@@ -1,0 +1,105 @@
+"""Does an L2 prefetch of the next GEMV's weight, issued beside a latency-bound phase, make that GEMV faster?
+
+The batch-1 decode layer's shape: a phase that keeps the HBM nearly idle (here ``--phase-calls`` router launches on
+one token, a stand-in for the attention after ``wq_b`` or an mHC boundary), then a dense FP8 GEMV (``dsv41::fp8_gemv``)
+on a weight that was last read a layer ago (8 copies in turn, more bytes than the L2 holds).  Each line is one CUDA
+graph of 8 such (phase, GEMV) pairs, replayed (median of ``do_bench``), µs a pair:
+
+* ``gemv cold`` / ``gemv hot``: the GEMV alone on the 8 copies / 8 times on one copy (the L2-resident bound);
+* ``phase``: the phase alone; ``phase + gemv``: the pair on one stream;
+* ``+ prefetch P[/el][ f]``: the same pair with ``dsv41::l2_prefetch`` of the weight (``P`` programs; ``el``: with
+  the evict-last hint; ``f``: only the weight's first fraction ``f``) forked onto a side stream as the phase starts,
+  joined before the GEMV.  Its gain is ``phase + gemv`` minus this line; the outputs must stay bitwise the same.
+
+    python3 benchmarks/ops/bench_l2_prefetch.py [--phase-calls 3] [--programs 8 16 32 132]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _common import open_gpu
+
+SHAPES = [("wq_a+wkv", 1792, 5120, 1), ("wq_b", 32768, 1280, 1), ("wo_a (8 groups)", 8192, 4096, 8),
+          ("wo_b", 5120, 8192, 1), ("shared w1+w3", 4608, 5120, 1)]
+COPIES, H, E = 8, 5120, 32
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase-calls", type=int, default=3, help="router launches in the latency-bound phase")
+    ap.add_argument("--programs", type=int, nargs="+", default=[8, 16, 32, 132])
+    args = ap.parse_args()
+    triton = open_gpu("bench_l2_prefetch")
+    if triton is None:
+        return
+    from vllm_dsv41.ops import fp8_gemv, l2_prefetch, router  # noqa: F401  (define the ops)
+
+    ops = torch.ops.dsv41
+    side = torch.cuda.Stream()
+    xr = torch.randn(1, H, device="cuda").bfloat16()
+    gate = torch.randn(E, H, device="cuda").bfloat16() * H ** -0.5
+    bias = torch.randn(E, device="cuda") * 0.1
+
+    def phase():
+        for _ in range(args.phase_calls):
+            ops.router(xr, gate, bias, 6, 1.0)
+
+    def phases():
+        for _ in range(COPIES):
+            phase()
+        return [xr]
+
+    def timed(body) -> tuple[float, list]:
+        outs = body()  # compiles outside the capture
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = body()
+        ms = triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
+        g.replay()
+        torch.cuda.synchronize()
+        return ms * 1e3 / COPIES, [o.clone() for o in outs]
+
+    for name, N, K, G in SHAPES:
+        ws = [torch.randn(N, K, device="cuda").mul(0.5).to(torch.float8_e4m3fn) for _ in range(COPIES)]
+        wsc = torch.rand(N, 1, device="cuda") * 1e-2 / K ** 0.5 + 1e-4
+        x = torch.randn(1, G * K, device="cuda").bfloat16()
+        mb = N * K / 1e6
+
+        def gemvs(weights, with_phase=False, prefetch=None):
+            outs = []
+            for w in weights:
+                if prefetch is not None:
+                    programs, evict_last, frac = prefetch
+                    side.wait_stream(torch.cuda.current_stream())
+                    with torch.cuda.stream(side):
+                        ops.l2_prefetch(w[: max(1, int(N * frac))], programs, evict_last)
+                if with_phase:
+                    phase()
+                if prefetch is not None:
+                    torch.cuda.current_stream().wait_stream(side)
+                outs.append(ops.fp8_gemv(x, w, wsc, G))
+            return outs
+
+        cold, want = timed(lambda: gemvs(ws))
+        hot, _ = timed(lambda: gemvs([ws[0]] * COPIES))
+        alone, _ = timed(phases)
+        serial, base = timed(lambda: gemvs(ws, with_phase=True))
+        print(f"{name:16s} {mb:5.1f} MB  gemv cold {cold:6.1f}  hot {hot:6.1f}  | phase {alone:6.1f}  "
+              f"phase + gemv {serial:6.1f} µs", flush=True)
+        for frac in (1.0, 0.5) if mb > 30 else (1.0,):
+            for el in (False, True):
+                for p in args.programs:
+                    us, got = timed(lambda: gemvs(ws, with_phase=True, prefetch=(p, el, frac)))
+                    same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(base, got))
+                    label = f"+ prefetch {p}{'/el' if el else ''}{f' {frac:g}' if frac < 1 else ''}"
+                    print(f"    {label:22s} {us:6.1f} µs ({serial - us:+5.1f} against phase + gemv); bitwise: {same}",
+                          flush=True)
+        del want
+
+
+if __name__ == "__main__":
+    main()
