@@ -528,20 +528,25 @@ def test_beside_runs_both_in_order_off_cuda(monkeypatch):
 
 
 def test_prefetching_is_a_hint_off_cuda_and_names_a_bad_switch(monkeypatch):
-    """:func:`overlap.prefetching` returns ``main()`` whatever the switch (off CUDA no prefetch is issued); a value
-    other than 0/1 fails naming the variable."""
+    """:func:`overlap.prefetching` returns ``main()`` whatever the switch (off CUDA no prefetch is issued); the switch
+    names its targets (``1``: wo_a, ``all``, a comma list), and an unknown one fails naming the variable."""
     from vllm_dsv41.model_executor import overlap
 
     x, w = torch.zeros(1, 8), torch.zeros(4, 8)
     calls = []
-    for v in ("0", "1"):
+    for v in ("0", "1", "all", "qkv_a, w13"):
         monkeypatch.setenv(overlap.L2_PREFETCH_ENV, v)
-        assert overlap.prefetching(x, w, lambda: calls.append(v) or v) == v
+        assert overlap.prefetching(x, w, lambda: calls.append(v) or v, "w13") == v
         assert overlap.prefetching(x, None, lambda: v) == v
-    assert calls == ["0", "1"] and overlap.side_stream_for(x, lane=2) is None
-    monkeypatch.setenv(overlap.L2_PREFETCH_ENV, "yes")
-    with pytest.raises(ValueError, match="VLLM_DSV41_L2_PREFETCH"):
-        overlap.prefetching(x, w, lambda: None)
+    assert calls == ["0", "1", "all", "qkv_a, w13"] and overlap.side_stream_for(x, lane=2) is None
+    want = {"0": set(), "1": {"wo_a"}, "all": set(overlap.PREFETCH_TARGETS), "w13,wo_a": {"w13", "wo_a"}}
+    for v, targets in want.items():
+        monkeypatch.setenv(overlap.L2_PREFETCH_ENV, v)
+        assert overlap.l2_prefetch_targets() == targets
+    for bad in ("yes", "wo_a,wq_b", ","):
+        monkeypatch.setenv(overlap.L2_PREFETCH_ENV, bad)
+        with pytest.raises(ValueError, match="VLLM_DSV41_L2_PREFETCH"):
+            overlap.prefetching(x, w, lambda: None)
 
 
 def test_weight_read_names_the_streamed_tensor(monkeypatch):

@@ -1,7 +1,8 @@
 """Does an L2 prefetch of the next GEMV's weight, issued beside a latency-bound phase, make that GEMV faster?
 
 The batch-1 decode layer's shape: a phase that keeps the HBM nearly idle (here ``--phase-calls`` router launches on
-one token, a stand-in for the attention after ``wq_b`` or an mHC boundary), then a dense FP8 GEMV (``dsv41::fp8_gemv``)
+one token, a stand-in for the attention after ``wq_b``; or the mHC boundary's quantising collapse with its post-mix,
+which comes before ``[wq_a; wkv]`` and the shared expert's ``[w1; w3]``), then a dense FP8 GEMV (``dsv41::fp8_gemv``)
 on a weight that was last read a layer ago (8 copies in turn, more bytes than the L2 holds).  Each line is one CUDA
 graph of 8 such (phase, GEMV) pairs, replayed (median of ``do_bench``), µs a pair:
 
@@ -22,9 +23,12 @@ import torch
 
 from _common import open_gpu
 
-SHAPES = [("wq_a+wkv", 1792, 5120, 1), ("wq_b", 32768, 1280, 1), ("wo_a (8 groups)", 8192, 4096, 8),
-          ("wo_b", 5120, 8192, 1), ("shared w1+w3", 4608, 5120, 1)]
-COPIES, H, E = 8, 5120, 32
+# (name, N, K, groups, the phase before it in the model: an mHC boundary's collapse, or the router launches as a
+# stand-in for the sparse attention (~17 µs with its combine at batch 1, docs/benchmarks.md session 31))
+SHAPES = [("wq_a+wkv", 1792, 5120, 1, "collapse"), ("wq_b", 32768, 1280, 1, "router"),
+          ("wo_a (8 groups)", 8192, 4096, 8, "router"), ("wo_b", 5120, 8192, 1, "router"),
+          ("shared w1+w3", 4608, 5120, 1, "collapse")]
+COPIES, H, C, E = 8, 5120, 4, 32
 
 
 def main() -> None:
@@ -35,7 +39,8 @@ def main() -> None:
     triton = open_gpu("bench_l2_prefetch")
     if triton is None:
         return
-    from vllm_dsv41.ops import fp8_gemv, l2_prefetch, router  # noqa: F401  (define the ops)
+    from vllm_dsv41.ops import fp8_gemv, l2_prefetch, mhc, router  # noqa: F401  (define the ops)
+    from vllm_dsv41.reference.model import sinkhorn
 
     ops = torch.ops.dsv41
     side = torch.cuda.Stream()
@@ -43,7 +48,18 @@ def main() -> None:
     gate = torch.randn(E, H, device="cuda").bfloat16() * H ** -0.5
     bias = torch.randn(E, device="cuda") * 0.1
 
+    g = torch.Generator().manual_seed(0)
+    streams = torch.randn(1, C, H, generator=g).bfloat16().cuda()
+    y = (torch.randn(1, H, generator=g) * 0.1).bfloat16().cuda()
+    post = (2.0 * torch.sigmoid(torch.randn(1, C, generator=g))).cuda()
+    comb = sinkhorn(torch.randn(1, C, C, generator=g) * 2.0, 1e-6, 20).cuda()
+    pre = (torch.sigmoid(torch.randn(1, C, generator=g)) + 1e-6).cuda()
+    norm_w = (torch.randn(H, generator=g) * 0.2 + 1.0).bfloat16().cuda()
+
     def phase():
+        if kind == "collapse":
+            ops.mhc_post_collapse_quant(streams, y, post, comb, pre, norm_w, 1e-6)
+            return
         for _ in range(args.phase_calls):
             ops.router(xr, gate, bias, 6, 1.0)
 
@@ -63,7 +79,7 @@ def main() -> None:
         torch.cuda.synchronize()
         return ms * 1e3 / COPIES, [o.clone() for o in outs]
 
-    for name, N, K, G in SHAPES:
+    for name, N, K, G, kind in SHAPES:
         ws = [torch.randn(N, K, device="cuda").mul(0.5).to(torch.float8_e4m3fn) for _ in range(COPIES)]
         wsc = torch.rand(N, 1, device="cuda") * 1e-2 / K ** 0.5 + 1e-4
         x = torch.randn(1, G * K, device="cuda").bfloat16()
@@ -88,7 +104,7 @@ def main() -> None:
         hot, _ = timed(lambda: gemvs([ws[0]] * COPIES))
         alone, _ = timed(phases)
         serial, base = timed(lambda: gemvs(ws, with_phase=True))
-        print(f"{name:16s} {mb:5.1f} MB  gemv cold {cold:6.1f}  hot {hot:6.1f}  | phase {alone:6.1f}  "
+        print(f"{name:16s} {mb:5.1f} MB  gemv cold {cold:6.1f}  hot {hot:6.1f}  | phase ({kind}) {alone:6.1f}  "
               f"phase + gemv {serial:6.1f} µs", flush=True)
         for frac in (1.0, 0.5) if mb > 30 else (1.0,):
             for el in (False, True):

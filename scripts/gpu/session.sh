@@ -26,7 +26,7 @@
 #   scripts/gpu/session.sh gemvq           # fp8_gemv_q on rows quantised by their producers: CUDA tests, the fast path
 #                                          # end to end with VLLM_DSV41_SMALL_GEMM=gemv, VLLM_DSV41_FUSED_ACT_QUANT=1
 #   scripts/gpu/session.sh priority        # graphs captured on a high-priority stream: the capture stream, the fast path
-#                                          # bitwise against the default capture
+#                                          # bitwise against the default capture; likewise the L2 prefetch switch
 #   scripts/gpu/session.sh pdl             # programmatic dependent launch (VLLM_DSV41_PDL=1): the ops' CUDA tests with it,
 #                                          # the graph chain test; the fast path end to end under the gemvq switches,
 #                                          # with the PDL-on-vs-off bitwise test
@@ -240,7 +240,8 @@ case "${1:-}" in
     # priority, the fast path bitwise against the default capture.  The timelines are a second call: VARIANTS="base:
     # prio:VLLM_DSV41_GRAPH_PRIORITY=1 serial:VLLM_DSV41_OVERLAP_ROWS=0" FIRST_LIMIT=240 LIMIT=150 ... variants
     timeout 330 python3 -m pytest -q -s -p no:cacheprovider tests/attention/test_static_step.py \
-      tests/gpu/test_fast_path_cuda.py -k "capture_stream or graph_priority" > "$OUT/priority-tests.log" 2>&1
+      tests/gpu/test_fast_path_cuda.py tests/ops/test_l2_prefetch.py -k "capture_stream or graph_priority or l2_prefetch" \
+      > "$OUT/priority-tests.log" 2>&1
     grep -E "passed|failed|FAILED|Error" "$OUT/priority-tests.log" | tail -8 ;;
   pdl)
     # the ops' CUDA tests launched with PDL, the graph-replayed chain; then the fast path end to end under the gemvq

@@ -960,31 +960,38 @@ class DecoderLayer(nn.Module):
         ``*_quant`` ops: the same x, and the codes that GEMM would have made of it)."""
         ops = _ops()
         args = (self.eps, self.hc_eps, self.iters)
-        xq = fq = None  # x quantised in the collapse's own launch, where the sublayer's FP8 GEMM takes it
+        # xq, fq: x quantised in the collapse's own launch, where the sublayer's FP8 GEMM takes it (else None)
         P = S if isinstance(S, PendingPost) else None  # the previous layer's FFN post-mix, folded in
-        quant = self.attn.takes_quantised_input(S.S.dtype if P is not None else S.dtype)
-        if P is not None:
-            post_in = (P.S, P.y, P.post, P.comb, pre, self.attn_norm.weight, self.eps, P.y2)
+        S_in = P.S if P is not None else S
+        quant = self.attn.takes_quantised_input(S_in.dtype)
+
+        def attn_collapse():
+            if P is not None:
+                post_in = (P.S, P.y, P.post, P.comb, pre, self.attn_norm.weight, self.eps, P.y2)
+                if quant:
+                    S, x, *q = ops.mhc_post_collapse_quant(*post_in)
+                    return S, x, QuantRows(*q, x.dtype)
+                return *ops.mhc_post_collapse(*post_in), None
             if quant:
-                S, x, *q = ops.mhc_post_collapse_quant(*post_in)
-                xq = QuantRows(*q, x.dtype)
-            else:
-                S, x = ops.mhc_post_collapse(*post_in)
-        elif quant:
-            x, *q = ops.mhc_collapse_quant(S, pre, self.attn_norm.weight, self.eps)
-            xq = QuantRows(*q, x.dtype)
-        else:
-            x = ops.mhc_collapse(S, pre, self.attn_norm.weight, self.eps)
+                x, *q = ops.mhc_collapse_quant(S_in, pre, self.attn_norm.weight, self.eps)
+                return S_in, x, QuantRows(*q, x.dtype)
+            return S_in, ops.mhc_collapse(S_in, pre, self.attn_norm.weight, self.eps), None
+
+        qkv_a = self.attn.wqkv_a.weight_read(S_in.shape[0]) if self.attn.wqkv_a is not None else None
+        S, x, xq = prefetching(S_in, qkv_a, attn_collapse, "qkv_a")
         y, (pre_a, post_a, comb_a) = beside(
             x, lambda: ops.mhc_coeffs(S, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, *args),
             lambda: self.attn(model, step, x, tok, rows, floors, xq=xq), lane=1)
         post_args = (step.take(S, rows), y, step.take(post_a, rows), step.take(comb_a, rows), step.take(pre_a, rows),
                      self.ffn_norm.weight, self.eps)
-        if self.ffn.takes_quantised_input(S.dtype):
-            S, x, *q = ops.mhc_post_collapse_quant(*post_args)
-            fq = QuantRows(*q, x.dtype)
-        else:
-            S, x = ops.mhc_post_collapse(*post_args)
+        def ffn_collapse():
+            if self.ffn.takes_quantised_input(S.dtype):
+                S_f, x, *q = ops.mhc_post_collapse_quant(*post_args)
+                return S_f, x, QuantRows(*q, x.dtype)
+            return *ops.mhc_post_collapse(*post_args), None
+
+        w13 = self.ffn.shared_experts.w13
+        S, x, fq = prefetching(y, w13.weight_read(y.shape[0]) if w13 is not None else None, ffn_collapse, "w13")
         (f, f2), (pre_f, post_f, comb_f) = beside(
             x, lambda: ops.mhc_coeffs(S, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, *args),
             lambda: self._ffn_parts(x, fq), lane=1)

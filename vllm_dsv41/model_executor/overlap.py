@@ -23,7 +23,8 @@ in one buffer per device (``ops/router.py``), so two routers must not run on two
 main stream (``MoE._routed``).
 
 Lane 2 (``VLLM_DSV41_L2_PREFETCH``, :func:`prefetching`): ``dsv41::l2_prefetch`` of the next GEMV's weight beside a
-latency-bound phase (the sparse attention before ``wo_a``), so that the GEMV finds its bytes in L2.
+latency-bound phase (the sparse attention before ``wo_a``, an mHC boundary's collapse before ``[wq_a; wkv]`` or the
+shared expert's ``[w1; w3]``), so that the GEMV finds its bytes in L2.
 
 Memory: a tensor made on one stream and used on the other is only freed after the join (the main stream waits
 for the side stream before it uses the side's result, and the side stream waits for the main one before every
@@ -33,12 +34,12 @@ fork), so the caching allocator never hands a block to one stream while the othe
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, TypeVar
 
 import torch
 
 from vllm_dsv41.model_executor.linear import env_count
-from vllm_dsv41.ops import env_flag
 
 OVERLAP_ROWS_ENV = "VLLM_DSV41_OVERLAP_ROWS"
 DEFAULT_OVERLAP_ROWS = 1024
@@ -48,6 +49,7 @@ PREFETCH_MAX_ROWS = 16
 PREFETCH_MAX_BYTES = 40 << 20
 """At most this much of a weight is asked for (the H100's and H200's L2 is 50 MB)."""
 PREFETCH_PROGRAMS = 16
+PREFETCH_TARGETS = ("wo_a", "qkv_a", "w13")
 
 A = TypeVar("A")
 B = TypeVar("B")
@@ -104,16 +106,31 @@ def beside(x: torch.Tensor, side: Callable[[], B], main: Callable[[], A], lane: 
     return m, s
 
 
-def l2_prefetch_setting() -> bool:
-    """``VLLM_DSV41_L2_PREFETCH``: ``1`` prefetches a weight into L2 beside the phase before its GEMV (default ``0``)."""
-    return env_flag(L2_PREFETCH_ENV, "0")
+def l2_prefetch_targets() -> frozenset[str]:
+    """``VLLM_DSV41_L2_PREFETCH``: the weights prefetched into L2 beside the phase before their GEMV (default ``0``:
+    none).  ``1``: ``wo_a`` (beside the sparse attention); ``all``; or a comma list of :data:`PREFETCH_TARGETS`
+    (``qkv_a``: the fused ``[wq_a; wkv]`` beside the attention boundary's collapse; ``w13``: the shared expert's
+    ``[w1; w3]`` beside the FFN boundary's collapse).  Anything else fails naming the variable and the value."""
+    v = os.environ.get(L2_PREFETCH_ENV, "0").strip() or "0"
+    if v == "0":
+        return frozenset()
+    if v == "1":
+        return frozenset({"wo_a"})
+    if v == "all":
+        return frozenset(PREFETCH_TARGETS)
+    names = {n.strip() for n in v.split(",") if n.strip()}
+    unknown = sorted(names - set(PREFETCH_TARGETS))
+    if unknown or not names:
+        raise ValueError(f"{L2_PREFETCH_ENV}={v!r}: unknown target(s) {unknown}; expected 0, 1 (wo_a), all, or a "
+                         f"comma list of {', '.join(PREFETCH_TARGETS)}")
+    return frozenset(names)
 
 
-def prefetching(x: torch.Tensor, weight: torch.Tensor | None, main: Callable[[], A]) -> A:
+def prefetching(x: torch.Tensor, weight: torch.Tensor | None, main: Callable[[], A], target: str = "wo_a") -> A:
     """``main()``, with ``dsv41::l2_prefetch`` of ``weight`` (its first :data:`PREFETCH_MAX_BYTES`) on lane 2 beside
-    it when the switch is on and the pass over ``x``'s rows is short enough; joined after ``main``.  The prefetch is
-    a hint: ``main``'s results and the weight's reader's are the same either way."""
-    if weight is None or x.shape[0] > PREFETCH_MAX_ROWS or not l2_prefetch_setting():
+    it when ``target`` is switched on and the pass over ``x``'s rows is short enough; joined after ``main``.  The
+    prefetch is a hint: ``main``'s results and the weight's reader's are the same either way."""
+    if weight is None or x.shape[0] > PREFETCH_MAX_ROWS or target not in l2_prefetch_targets():
         return main()
     stream = side_stream_for(x, lane=2)
     if stream is None:
