@@ -52,7 +52,7 @@ def main() -> None:
     if triton is None:
         return
     from vllm_dsv41 import formats
-    from vllm_dsv41.ops import fp8_gemv, mhc, moe_gemv, router, swiglu_quant  # noqa: F401  (define the ops)
+    from vllm_dsv41.ops import fp8_gemv, l2_prefetch, mhc, moe_gemv, router, swiglu_quant  # noqa: F401  (the ops)
     from vllm_dsv41.reference.model import sinkhorn
 
     ops = torch.ops.dsv41
@@ -156,7 +156,9 @@ def main() -> None:
 def overlap(args, triton, layers, experts, stream0, y0, post, comb, pre, norm_w) -> None:
     """The layer chain with the model's side streams (``overlap.beside``: the shared expert on lane 0, the boundary's
     ``mhc_coeffs`` on lane 1), each setting captured on a stream of priority 0 or -1 (the side streams keep 0), and
-    the same chain serial on one stream; µs a layer, outputs against the serial run."""
+    the same chain serial on one stream; µs a layer, outputs against the serial run.  The prefetch settings ask the L2
+    for ``[wq_a; wkv]`` and the shared ``[w1; w3]`` on lane 2 beside the boundary collapse before each
+    (``VLLM_DSV41_L2_PREFETCH=qkv_a,w13`` in the model); the chain has no attention, so ``wo_a``'s is not here."""
     ops = torch.ops.dsv41
     nmix = (2 + C) * C
     fn = torch.randn(nmix, C * H, device="cuda") * (C * H) ** -0.5
@@ -171,10 +173,22 @@ def overlap(args, triton, layers, experts, stream0, y0, post, comb, pre, norm_w)
             out = work()
         return out, st
 
-    def chain(split: bool):
+    lanes.append(torch.cuda.Stream())  # lane 2: the L2 prefetches (overlap.prefetching)
+
+    def prefetched(weight, work, on: bool):
+        """``work()``, with ``weight`` asked of the L2 on lane 2 beside it when ``on`` (joined after it)."""
+        if not on:
+            return work()
+        out, st = side(2, lambda: ops.l2_prefetch(weight, 16, False))
+        out = work()
+        torch.cuda.current_stream().wait_stream(st)
+        return out
+
+    def chain(split: bool, prefetch: bool = False):
         s, y, y2 = stream0, y0, None
         for li, p in enumerate(layers):
-            s, x, q, qs = ops.mhc_post_collapse_quant(s, y, post, comb, pre, norm_w, 1e-6, y2)
+            s, x, q, qs = prefetched(p["qa"][0], lambda s=s, y=y, y2=y2: ops.mhc_post_collapse_quant(
+                s, y, post, comb, pre, norm_w, 1e-6, y2), prefetch)
             coeffs = lambda s=s: ops.mhc_coeffs(s, fn, cbase, cscale, 1e-6, 1e-6, 20)  # noqa: E731
             c1, st1 = side(1, coeffs) if split else (coeffs(), None)
             a = ops.fp8_gemv_q(q, qs, *p["qa"])
@@ -182,7 +196,8 @@ def overlap(args, triton, layers, experts, stream0, y0, post, comb, pre, norm_w)
             y = ops.fp8_gemv(ops.fp8_gemv(b, *p["oa"], GROUPS), *p["ob"])
             if st1 is not None:
                 torch.cuda.current_stream().wait_stream(st1)
-            s, x, q, qs = ops.mhc_post_collapse_quant(s, y, post, comb, pre, norm_w, 1e-6)
+            s, x, q, qs = prefetched(p["w13"][0], lambda s=s, y=y: ops.mhc_post_collapse_quant(
+                s, y, post, comb, pre, norm_w, 1e-6), prefetch)
             shared = lambda q=q, qs=qs, p=p: ops.fp8_gemv_q(  # noqa: E731
                 *ops.swiglu_quant(ops.fp8_gemv_q(q, qs, *p["w13"]), LIMIT)[1:], *p["w2"])
             coeffs = lambda s=s: ops.mhc_coeffs(s, fn, cbase, cscale, 1e-6, 1e-6, 20)  # noqa: E731
@@ -195,22 +210,24 @@ def overlap(args, triton, layers, experts, stream0, y0, post, comb, pre, norm_w)
         return s, y, y2
 
     want = None
-    for label, split, prio, env in (("serial", False, 0, {}), ("side streams", True, 0, {}),
-                                    ("side streams, high-priority capture", True, -1, {}),
-                                    ("side streams + one-launch collapse", True, 0, {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}),
-                                    ("side streams, high priority + one-launch collapse", True, -1,
-                                     {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"})):
+    rows = {"VLLM_DSV41_MHC_COLLAPSE_ROWS": "16"}
+    for label, split, prio, env, pf in (("serial", False, 0, {}, False), ("side streams", True, 0, {}, False),
+                                        ("side streams, high-priority capture", True, -1, {}, False),
+                                        ("side streams + one-launch collapse", True, 0, rows, False),
+                                        ("side streams, high priority + one-launch collapse", True, -1, rows, False),
+                                        ("side streams + L2 prefetch (qkv_a, w13)", True, 0, {}, True),
+                                        ("side streams, high priority + L2 prefetch", True, -1, {}, True)):
         cap = torch.cuda.Stream(priority=prio)
         with mock.patch.dict(os.environ, env):
             cap.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(cap):  # eagerly on the capture stream first: its counters exist before capture
-                out = chain(split)
+                out = chain(split, pf)
             torch.cuda.current_stream().wait_stream(cap)
             torch.cuda.synchronize()
             want = want if want is not None else out
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=cap):
-                got = chain(split)
+                got = chain(split, pf)
         graph.replay()
         torch.cuda.synchronize()
         same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got))
