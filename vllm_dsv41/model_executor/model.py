@@ -984,6 +984,7 @@ class DecoderLayer(nn.Module):
             lambda: self.attn(model, step, x, tok, rows, floors, xq=xq), lane=1)
         post_args = (step.take(S, rows), y, step.take(post_a, rows), step.take(comb_a, rows), step.take(pre_a, rows),
                      self.ffn_norm.weight, self.eps)
+
         def ffn_collapse():
             if self.ffn.takes_quantised_input(S.dtype):
                 S_f, x, *q = ops.mhc_post_collapse_quant(*post_args)
