@@ -3,6 +3,7 @@
     python benchmarks/ops/bench_sparse_attn.py                 # decode T = 1, 8, 64, 256 + prefill 4096
     python benchmarks/ops/bench_sparse_attn.py --splits 1 2 4 8 --no-ref
     python benchmarks/ops/bench_sparse_attn.py --config 64 32 8 1   # pin BLOCK_H BLOCK_N warps stages
+    python benchmarks/ops/bench_sparse_attn.py --combine            # decode T = 1, 4: the combine's chunk (graphs)
 
 Real sizes: Hq=64, D=512, R=64, W=128 SWA keys (MXFP8, 528 B) + K=512 compressed keys (NVFP4, 288 B)
 per row, bf16 q.  Decode rows belong to different requests (random distinct slots in large pools);
@@ -23,7 +24,7 @@ import sys
 
 import torch
 
-from _common import HBM_BYTES_PER_S, open_gpu
+from _common import HBM_BYTES_PER_S, graph_us, open_gpu
 
 from vllm_dsv41 import formats  # noqa: E402  (the repository is on sys.path now)
 from vllm_dsv41.ops import sparse_attn as sa  # noqa: E402
@@ -97,9 +98,14 @@ def main() -> int:
     ap.add_argument("--bits", action="store_true", help="integer E4M3 decode instead of the hardware cvt")
     ap.add_argument("--no-ref", action="store_true", help="skip the torch reference timing")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--combine", action="store_true",
+                    help="only: the op at decode T = 1 and 4 (default config and splits), graph-replayed, under each "
+                         "VLLM_DSV41_COMBINE_CHUNK")
     a = ap.parse_args()
     if open_gpu("bench_sparse_attn", a.seed) is None:
         return 0
+    if a.combine:
+        return combine()
     from triton.testing import do_bench
 
     print(f"shapes: Hq={Hq} D={D} R={R} W={W} K={K}, q bf16")
@@ -137,6 +143,25 @@ def main() -> int:
             tuned = "" if cfg else str(getattr(sa._sparse_attn_kernel_tuned, "best_config", ""))
             print(f"{name:>14} {used:>6} {ref_us:>10.1f} {us:>10.1f} {ref_us / us:>8.2f} {nbytes / 1e6:>8.2f} "
                   f"{ubytes / 1e6:>8.2f} {100 * nbytes / (us * 1e-6) / HBM_BYTES_PER_S:>8.1f}%  {tuned}")
+    return 0
+
+
+def combine() -> int:
+    """The split-KV combine merging 1, 2, 4 or 8 splits a step (capped at 8 // BLOCK_H by the launcher): the whole
+    op graph-replayed at batch-1 decode sizes (default config and split count), its output against chunk 1's."""
+    print("combine chunk (VLLM_DSV41_COMBINE_CHUNK), µs a call of the op, graph-replayed:")
+    for T in (1, 4):
+        c = decode_case(T, 100 + T)
+        S = sa.plan_splits(T, Hq, W, K, c["q"].device, None)[2]
+        cols, base = [], None
+        for chunk in ("1", "2", "4", "8"):
+            os.environ[sa.COMBINE_CHUNK_ENV] = chunk
+            out = sa._sparse_attn_triton(*_args(c))
+            base = out if base is None else base
+            err = ((out.float() - base.float()).abs().max()).item()
+            cols.append(f"chunk {chunk} {graph_us(lambda: sa._sparse_attn_triton(*_args(c))):6.2f} (max |d| {err:.1e})")
+        os.environ[sa.COMBINE_CHUNK_ENV] = "1"
+        print(f"  T={T} splits={S}: " + "  ".join(cols), flush=True)
     return 0
 
 

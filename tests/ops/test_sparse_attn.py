@@ -249,6 +249,14 @@ _INTERP_CASES = [
      dict(BLOCK_H=16, BLOCK_N=64, V_SPLIT=2), 2, False),
     ("vsplit-D512-bf16-s2", dict(T=2, Hq=16, D=512, R=64, W=128, K=96, seed=22, dtype=torch.bfloat16),
      dict(BLOCK_H=16, BLOCK_N=32, V_SPLIT=2), 2, True),
+    # the combine merging several splits a step (VLLM_DSV41_COMBINE_CHUNK): a partial last chunk, a chunk wider than
+    # the splits, an even fit
+    ("combine-chunk2-H20-s3", dict(T=5, Hq=20, D=64, R=16, W=40, K=70, seed=11, chunk=2), dict(BLOCK_H=16, BLOCK_N=16),
+     3, True),
+    ("combine-chunk8-s5", dict(T=3, Hq=4, D=64, R=16, W=100, K=170, seed=23, chunk=8), dict(BLOCK_H=16, BLOCK_N=16), 5,
+     False),
+    ("combine-chunk4-D512-bf16-s4", dict(T=2, Hq=16, D=512, R=64, W=128, K=96, seed=14, dtype=torch.bfloat16, chunk=4),
+     dict(BLOCK_H=16, BLOCK_N=32), 4, True),
     ("real-T1-fp32-auto", dict(T=1, Hq=64, D=512, R=64, W=128, K=512, seed=18, swa_pool=512, comp_pool=2048,
                                holes=0.02), dict(BLOCK_H=64, BLOCK_N=32), None, True),
 ]
@@ -310,6 +318,7 @@ def _interpreter_main() -> int:
         kw = dict(kw)
         strided = kw.pop("strided", False)
         skip = kw.pop("skip", False)
+        os.environ[sa.COMBINE_CHUNK_ENV] = str(kw.pop("chunk", 1))
         c = odd_case(kw.get("dtype", torch.float32), empty_row=kw.get("empty_row", False)) \
             if kw.pop("odd", False) else random_case(**kw)
         if strided:  # q as a view with odd strides (no paired 32-bit access)
@@ -377,6 +386,18 @@ _GPU_CFGS = {
     "h64n64s2v2": dict(BLOCK_H=64, BLOCK_N=64, num_warps=8, num_stages=2, V_SPLIT=2),
     "h16n64s2v2": dict(BLOCK_H=16, BLOCK_N=64, num_warps=8, num_stages=2, V_SPLIT=2),
 }
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", ["1", "8"])
+@pytest.mark.parametrize("T,splits", [(1, None), (1, 10), (8, 3)])
+def test_cuda_combine_chunk(T, splits, chunk, monkeypatch):
+    """The combine merging 8 splits a step gives the reference's output as the one-a-step form does (fp32, tight)."""
+    monkeypatch.setenv(sa.COMBINE_CHUNK_ENV, chunk)
+    c = random_case(T, **REAL, seed=8, dtype=torch.float32, swa_pool=2048, comp_pool=4096, device="cuda")
+    got = sa._sparse_attn_triton(*_args(c), num_splits=splits)
+    assert_close(f"fp32 T={T} splits={splits} chunk={chunk}", sa.sparse_attn_ref(*_args(c)), got, ratio=1e-5)
 
 
 @requires_cuda
@@ -511,6 +532,36 @@ def test_default_config_fits_sm90_shared_memory(T, dtype):
     assert fits, "no config of the step-down list fits"
     if dtype == torch.bfloat16:
         assert len(tried) == 1, "the pinned bf16 config itself must fit"
+
+
+@pytest.mark.parametrize("bh,chunk", [(2, 1), (2, 4), (4, 2), (1, 8)])
+def test_combine_builds_for_sm90_without_spills(bh, chunk):
+    """The split-KV combine at the batch-1 tile (2 heads a program) merging one split a step or 4 at once
+    (``VLLM_DSV41_COMBINE_CHUNK``), and the other (heads, chunk) pairs the launcher's cap of 8 allows, compiles for
+    Hopper with no spill (2 x 8 spills 32 bytes a thread)."""
+    from vllm_dsv41.ops import sparse_attn as sa
+
+    sig = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "pos_ptr": "*i64",
+           "inv_freq_ptr": "*fp32", "out_ptr": "*bf16", "Hq": "i32", "NUM_SPLITS": "i32", "stride_ot": "i32",
+           "stride_oh": "i32", **{n: "constexpr" for n in ("D", "R", "BLOCK_H", "PAIR_IO", "S_CHUNK")}}
+    got = sm90_build(sa._sparse_attn_combine_kernel, sig,
+                     {"D": 512, "R": 64, "BLOCK_H": bh, "PAIR_IO": True, "S_CHUNK": chunk}, 4, 3)
+    print(f"combine BLOCK_H={bh} S_CHUNK={chunk}: {got}")
+    assert got["stack"] == 0 and got["regs"] <= 255
+
+
+def test_combine_chunk_switch():
+    """``VLLM_DSV41_COMBINE_CHUNK``: 1 by default, powers of two to 16, anything else named."""
+    from vllm_dsv41.ops import sparse_attn as sa
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(sa.COMBINE_CHUNK_ENV, raising=False)
+        assert sa.combine_chunk() == 1
+        mp.setenv(sa.COMBINE_CHUNK_ENV, "8")
+        assert sa.combine_chunk() == 8
+        mp.setenv(sa.COMBINE_CHUNK_ENV, "3")
+        with pytest.raises(ValueError, match="VLLM_DSV41_COMBINE_CHUNK"):
+            sa.combine_chunk()
 
 
 def test_skip_empty_pays_only_for_short_prefills():

@@ -92,8 +92,21 @@ SKIP_EMPTY_MIN_ROWS = 256
 """``skip_empty`` is asked for from this many rows (prefill); see :func:`skip_empty_pays`."""
 AUTOTUNE_ENV = "VLLM_DSV41_AUTOTUNE"
 """1: the Triton autotuner picks the launch config per shape key (else :func:`default_config`)."""
+COMBINE_CHUNK_ENV = "VLLM_DSV41_COMBINE_CHUNK"
+"""Splits the split-KV combine merges a step (a power of two up to 16; default 1: one a step)."""
 _REF_ROW_CHUNK = 64
 """The reference attends this many rows at a time (bounds the [rows, heads, keys] logits)."""
+
+
+def combine_chunk() -> int:
+    """``VLLM_DSV41_COMBINE_CHUNK``: how many splits the combine kernel loads and merges at once.  At batch 1 the
+    combine runs ~18 splits as dependent rounds of loads, ~7 µs a layer (docs/benchmarks.md, session 31); a chunk
+    issues them together (the launcher caps it at 8 // BLOCK_H: 4 at batch 1).  Default 1 (the measured form) until
+    that is timed; anything else fails naming the value."""
+    v = os.environ.get(COMBINE_CHUNK_ENV, "1").strip() or "1"
+    if v not in ("1", "2", "4", "8", "16"):
+        raise ValueError(f"{COMBINE_CHUNK_ENV}={v!r}: expected 1, 2, 4, 8 or 16")
+    return int(v)
 
 
 # --------------------------------------------------------------------------- reference
@@ -511,6 +524,7 @@ if triton is not None:
         out_ptr,          # [T, Hq, D]
         Hq, NUM_SPLITS, stride_ot, stride_oh,
         D: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr, PAIR_IO: tl.constexpr, PDL: tl.constexpr = False,
+        S_CHUNK: tl.constexpr = 1,
     ):
         if PDL:  # programmatic dependent launch: the previous kernel first
             gdc_wait()
@@ -525,21 +539,41 @@ if triton is not None:
         j = tl.arange(0, HALF)
         sink2 = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * 1.4426950408889634
         m = tl.maximum(sink2, -1.0e30)
-        for s in range(NUM_SPLITS):
-            prow = (t * NUM_SPLITS + s) * Hq + offs_h
-            m = tl.maximum(m, tl.load(part_ml_ptr + prow * 2, mask=h_mask, other=-1.0e30))
-        denom = tl.exp2(sink2 - m)
         acc_e = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
         acc_o = tl.zeros([BLOCK_H, HALF], dtype=tl.float32)
-        for s in range(NUM_SPLITS):
-            prow = (t * NUM_SPLITS + s) * Hq + offs_h
-            m_s = tl.load(part_ml_ptr + prow * 2, mask=h_mask, other=-1.0e30)
-            l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=h_mask, other=0.0)
-            w = tl.exp2(m_s - m)
-            denom += w * l_s
-            a_ptr = part_acc_ptr + prow[:, None] * D + j[None, :]
-            acc_e += w[:, None] * tl.load(a_ptr, mask=h_mask[:, None], other=0.0)
-            acc_o += w[:, None] * tl.load(a_ptr + HALF, mask=h_mask[:, None], other=0.0)
+        if S_CHUNK == 1:  # one split a step: S dependent rounds of loads
+            for s in range(NUM_SPLITS):
+                prow = (t * NUM_SPLITS + s) * Hq + offs_h
+                m = tl.maximum(m, tl.load(part_ml_ptr + prow * 2, mask=h_mask, other=-1.0e30))
+            denom = tl.exp2(sink2 - m)
+            for s in range(NUM_SPLITS):
+                prow = (t * NUM_SPLITS + s) * Hq + offs_h
+                m_s = tl.load(part_ml_ptr + prow * 2, mask=h_mask, other=-1.0e30)
+                l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=h_mask, other=0.0)
+                w = tl.exp2(m_s - m)
+                denom += w * l_s
+                a_ptr = part_acc_ptr + prow[:, None] * D + j[None, :]
+                acc_e += w[:, None] * tl.load(a_ptr, mask=h_mask[:, None], other=0.0)
+                acc_o += w[:, None] * tl.load(a_ptr + HALF, mask=h_mask[:, None], other=0.0)
+        else:  # S_CHUNK splits a step, their loads issued together ([BLOCK_H, S_CHUNK(, HALF)] tiles)
+            offs_c = tl.arange(0, S_CHUNK)
+            for s0 in range(0, NUM_SPLITS, S_CHUNK):
+                offs_s = s0 + offs_c
+                prow = (t * NUM_SPLITS + offs_s[None, :]) * Hq + offs_h[:, None]
+                ok = h_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
+                m = tl.maximum(m, tl.max(tl.load(part_ml_ptr + prow * 2, mask=ok, other=-1.0e30), axis=1))
+            denom = tl.exp2(sink2 - m)
+            for s0 in range(0, NUM_SPLITS, S_CHUNK):
+                offs_s = s0 + offs_c
+                prow = (t * NUM_SPLITS + offs_s[None, :]) * Hq + offs_h[:, None]
+                ok = h_mask[:, None] & (offs_s[None, :] < NUM_SPLITS)
+                m_s = tl.load(part_ml_ptr + prow * 2, mask=ok, other=-1.0e30)
+                l_s = tl.load(part_ml_ptr + prow * 2 + 1, mask=ok, other=0.0)
+                w = tl.exp2(m_s - m[:, None])  # 0 for the chunk's splits past NUM_SPLITS
+                denom += tl.sum(w * l_s, axis=1)
+                a_ptr = part_acc_ptr + prow[:, :, None] * D + j[None, None, :]
+                acc_e += tl.sum(w[:, :, None] * tl.load(a_ptr, mask=ok[:, :, None], other=0.0), axis=1)
+                acc_o += tl.sum(w[:, :, None] * tl.load(a_ptr + HALF, mask=ok[:, :, None], other=0.0), axis=1)
         denom = tl.where(denom > 0, denom, 1.0)
         row_off = t * stride_ot + offs_h.to(tl.int64) * stride_oh
         pos = tl.load(pos_ptr + t)
@@ -708,9 +742,11 @@ def _sparse_attn_triton(q: torch.Tensor, swa_cache: torch.Tensor, swa_slots: tor
         bh = 16
         while bh > 2 and T * triton.cdiv(Hq, bh) < sm_count(q.device):
             bh //= 2
+        # at most 8 (head, split) rows of loads at once a program: no spill on sm_90 at 4 warps (16 spill)
+        chunk = min(combine_chunk(), max(1, 8 // bh), triton.next_power_of_2(S))
         _sparse_attn_combine_kernel[(T * triton.cdiv(Hq, bh),)](
             part_acc, part_ml, sink, positions, inv_freq, out, Hq, S, out.stride(0), out.stride(1),
-            D=D, R=R, BLOCK_H=bh, PAIR_IO=pair_io, num_warps=4, **pdl_launch(flags["PDL"]))
+            D=D, R=R, BLOCK_H=bh, PAIR_IO=pair_io, S_CHUNK=chunk, num_warps=4, **pdl_launch(flags["PDL"]))
     return out
 
 
