@@ -12,6 +12,10 @@ graph of 8 such (phase, GEMV) pairs, replayed (median of ``do_bench``), µs a pa
   the evict-last hint; ``f``: only the weight's first fraction ``f``) forked onto a side stream as the phase starts,
   joined before the GEMV.  Its gain is ``phase + gemv`` minus this line; the outputs must stay bitwise the same.
 
+Last, the routed experts at one token (``dsv41::moe_gemv``, 32 MXFP4 experts, top-6, two expert sets in turn):
+alone, and with ``dsv41::l2_prefetch_rows`` of the chosen experts' ``w2`` and scales forked beside it (the model's
+``experts_w2`` target), with and without the evict-last hint: does ``w2`` arrive while the first GEMM streams w13?
+
     python3 benchmarks/ops/bench_l2_prefetch.py [--phase-calls 3] [--programs 8 16 32 132]
 """
 
@@ -115,6 +119,56 @@ def main() -> None:
                     print(f"    {label:22s} {us:6.1f} µs ({serial - us:+5.1f} against phase + gemv); bitwise: {same}",
                           flush=True)
         del want
+    experts(args, triton, ops, side)
+
+
+def experts(args, triton, ops, side) -> None:
+    from vllm_dsv41 import formats
+    from vllm_dsv41.ops import moe_gemv  # noqa: F401  (defines the op)
+
+    I, K_SLOTS, LIMIT = 2304, 6, 10.0
+    sets = []
+    for _ in range(2):
+        w13, s13 = formats.quant_mxfp4(torch.randn(E, 2 * I, H, device="cuda") * 0.05)
+        w2, s2 = formats.quant_mxfp4(torch.randn(E, H, I, device="cuda") * 0.05)
+        sets.append((w13.view(torch.uint8), formats.as_uint8(s13), w2.view(torch.uint8), formats.as_uint8(s2)))
+    x = torch.randn(1, H, device="cuda").bfloat16()
+    idx = torch.randperm(E, device="cuda")[:K_SLOTS].view(1, K_SLOTS).to(torch.int32)
+    wts = torch.rand(1, K_SLOTS, device="cuda")
+
+    def run(prefetch):
+        outs = []
+        for i in range(COPIES):
+            st = sets[i % 2]
+            if prefetch is not None:
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    ops.l2_prefetch_rows(st[2], idx.view(-1), prefetch[0], prefetch[1])
+                    ops.l2_prefetch_rows(st[3], idx.view(-1), prefetch[0], prefetch[1])
+            outs.append(ops.moe_gemv(x, *st, idx, wts, LIMIT))
+            if prefetch is not None:
+                torch.cuda.current_stream().wait_stream(side)
+        return outs
+
+    def timed(prefetch):
+        outs = run(prefetch)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            outs = run(prefetch)
+        ms = triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
+        g.replay()
+        torch.cuda.synchronize()
+        return ms * 1e3 / COPIES, [o.clone() for o in outs]
+
+    base_us, base = timed(None)
+    print(f"moe_gemv one token, top-{K_SLOTS} of {E} experts: {base_us:6.1f} µs a call", flush=True)
+    for el in (False, True):
+        for p in args.programs:
+            us, got = timed((p, el))
+            same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(base, got))
+            print(f"    + w2 rows prefetch {p}{'/el' if el else ''}: {us:6.1f} µs ({base_us - us:+5.1f}); bitwise: "
+                  f"{same}", flush=True)
 
 
 if __name__ == "__main__":

@@ -140,8 +140,8 @@ def test_moe_gemv_route_batch_one(small_ckpt, monkeypatch):
     assert med(err_on) < 0.6 and med(err_on) < 1.5 * med(err_off) + 0.05, (err_on, err_off)
 
 
-def _served_off_and_on(small_ckpt, monkeypatch, env: str, seed: int) -> tuple[tuple, tuple]:
-    """The fast path's tokens and every step's logits with the 0/1 switch ``env`` off, then on: three prompts, each
+def _served_off_and_on(small_ckpt, monkeypatch, env: str, seed: int, on: str = "1") -> tuple[tuple, tuple]:
+    """The fast path's tokens and every step's logits with the switch ``env`` at 0, then at ``on``: three prompts, each
     alone (the one-token routes) and all together (multi-row decode) -> ((tokens, logits) off, (tokens, logits) on)."""
     from vllm.inputs import TokensPrompt
 
@@ -151,13 +151,13 @@ def _served_off_and_on(small_ckpt, monkeypatch, env: str, seed: int) -> tuple[tu
     prompts = [[0], [0] + torch.randint(3, 990, (39,), generator=g).tolist(),
                [0] + torch.randint(3, 990, (150,), generator=g).tolist()]
     runs = {}
-    for v in ("0", "1"):
+    for v in ("0", on):
         with _fast_engine(small_ckpt, "quant", monkeypatch, **{env: v}) as (llm, sp):
             alone = [llm.generate([TokensPrompt(prompt_token_ids=p)], sp, use_tqdm=False)[0] for p in prompts]
             together = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
         outs = alone + list(together)
         runs[v] = ([list(o.outputs[0].token_ids) for o in outs], [_vocab_logits(o).nan_to_num() for o in outs])
-    return runs["0"], runs["1"]
+    return runs["0"], runs[on]
 
 
 def test_pdl_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
@@ -173,9 +173,11 @@ def test_pdl_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
 
 
 def test_l2_prefetch_serves_bitwise_the_same_logits(small_ckpt, monkeypatch):
-    """The L2 prefetch of ``wo_a``'s weight beside the attention (``VLLM_DSV41_L2_PREFETCH=1``, lane 2) is a hint:
-    the same tokens and every step's logits bitwise, each prompt alone and the prompts together."""
-    (tok_off, log_off), (tok_on, log_on) = _served_off_and_on(small_ckpt, monkeypatch, "VLLM_DSV41_L2_PREFETCH", 4)
+    """The L2 prefetches on lane 2 (``VLLM_DSV41_L2_PREFETCH=all``: ``wo_a`` beside the attention, ``[wq_a; wkv]`` and
+    the shared ``[w1; w3]`` beside their collapses, the chosen experts' ``w2`` beside ``moe_gemv``) are hints: the same
+    tokens and every step's logits bitwise, each prompt alone and the prompts together."""
+    (tok_off, log_off), (tok_on, log_on) = _served_off_and_on(small_ckpt, monkeypatch, "VLLM_DSV41_L2_PREFETCH", 4,
+                                                              on="all")
     assert tok_on == tok_off
     for k, (a, b) in enumerate(zip(log_off, log_on, strict=True)):
         assert torch.equal(a, b), f"output {k}: logits differ with the L2 prefetch, max |diff| {(a - b).abs().max():.3e}"

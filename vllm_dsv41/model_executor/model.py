@@ -777,7 +777,9 @@ class MoE(nn.Module):
             if self.bf16_from and T >= self.bf16_from:
                 return bf16_moe(xb, self.mxfp4, idx, wts, self.limit)
         if T <= self.gemv_rows and xb.dtype == torch.bfloat16:  # no host sync: also inside captured decode steps
-            return _ops().moe_gemv(xb, *self.mxfp4, idx, wts, self.limit)
+            # the chosen experts' w2 (and scales) asked of the L2 while the first GEMM runs (VLLM_DSV41_L2_PREFETCH)
+            return prefetching(xb, self.mxfp4[2:], lambda: _ops().moe_gemv(xb, *self.mxfp4, idx, wts, self.limit),
+                               "experts_w2", rows=idx)
         if self.marlin is not None:
             return marlin_moe(xb, self.marlin, idx, wts, self.limit)
         if self.ogs is not None:  # no host sync: also inside captured decode steps

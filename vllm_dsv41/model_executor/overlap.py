@@ -24,7 +24,8 @@ main stream (``MoE._routed``).
 
 Lane 2 (``VLLM_DSV41_L2_PREFETCH``, :func:`prefetching`): ``dsv41::l2_prefetch`` of the next GEMV's weight beside a
 latency-bound phase (the sparse attention before ``wo_a``, an mHC boundary's collapse before ``[wq_a; wkv]`` or the
-shared expert's ``[w1; w3]``), so that the GEMV finds its bytes in L2.
+shared expert's ``[w1; w3]``), so that the GEMV finds its bytes in L2; and the chosen experts' ``w2`` while
+``moe_gemv``'s first GEMM runs below the bandwidth.
 
 Memory: a tensor made on one stream and used on the other is only freed after the join (the main stream waits
 for the side stream before it uses the side's result, and the side stream waits for the main one before every
@@ -44,12 +45,13 @@ from vllm_dsv41.model_executor.linear import env_count
 OVERLAP_ROWS_ENV = "VLLM_DSV41_OVERLAP_ROWS"
 DEFAULT_OVERLAP_ROWS = 1024
 L2_PREFETCH_ENV = "VLLM_DSV41_L2_PREFETCH"
+EVICT_LAST_ENV = "VLLM_DSV41_L2_PREFETCH_EVICT_LAST"
 PREFETCH_MAX_ROWS = 16
 """Passes of more rows are compute-bound or stream more than the L2 holds: no prefetch."""
 PREFETCH_MAX_BYTES = 40 << 20
 """At most this much of a weight is asked for (the H100's and H200's L2 is 50 MB)."""
 PREFETCH_PROGRAMS = 16
-PREFETCH_TARGETS = ("wo_a", "qkv_a", "w13")
+PREFETCH_TARGETS = ("wo_a", "qkv_a", "w13", "experts_w2")
 
 A = TypeVar("A")
 B = TypeVar("B")
@@ -110,7 +112,8 @@ def l2_prefetch_targets() -> frozenset[str]:
     """``VLLM_DSV41_L2_PREFETCH``: the weights prefetched into L2 beside the phase before their GEMV (default ``0``:
     none).  ``1``: ``wo_a`` (beside the sparse attention); ``all``; or a comma list of :data:`PREFETCH_TARGETS`
     (``qkv_a``: the fused ``[wq_a; wkv]`` beside the attention boundary's collapse; ``w13``: the shared expert's
-    ``[w1; w3]`` beside the FFN boundary's collapse).  Anything else fails naming the variable and the value."""
+    ``[w1; w3]`` beside the FFN boundary's collapse; ``experts_w2``: the chosen experts' ``w2`` and its scales beside
+    ``moe_gemv``'s first two launches).  Anything else fails naming the variable and the value."""
     v = os.environ.get(L2_PREFETCH_ENV, "0").strip() or "0"
     if v == "0":
         return frozenset()
@@ -126,23 +129,34 @@ def l2_prefetch_targets() -> frozenset[str]:
     return frozenset(names)
 
 
-def prefetching(x: torch.Tensor, weight: torch.Tensor | None, main: Callable[[], A], target: str = "wo_a") -> A:
-    """``main()``, with ``dsv41::l2_prefetch`` of ``weight`` (its first :data:`PREFETCH_MAX_BYTES`) on lane 2 beside
-    it when ``target`` is switched on and the pass over ``x``'s rows is short enough; joined after ``main``.  The
-    prefetch is a hint: ``main``'s results and the weight's reader's are the same either way."""
+def prefetching(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...] | None, main: Callable[[], A],
+                target: str = "wo_a", rows: torch.Tensor | None = None) -> A:
+    """``main()``, with ``dsv41::l2_prefetch`` of ``weight`` (a tensor or several) on lane 2 beside it when ``target``
+    is switched on and the pass over ``x``'s rows is short enough; joined after ``main``.  With ``rows`` (device
+    indices into each weight's first dimension: the chosen experts) only those slabs, ``dsv41::l2_prefetch_rows``.
+    At most :data:`PREFETCH_MAX_BYTES` of each weight is asked for; ``VLLM_DSV41_L2_PREFETCH_EVICT_LAST=1`` asks with the
+    evict-last hint.  The prefetch is a hint: ``main``'s results and the
+    weight's reader's are the same either way."""
     if weight is None or x.shape[0] > PREFETCH_MAX_ROWS or target not in l2_prefetch_targets():
         return main()
     stream = side_stream_for(x, lane=2)
     if stream is None:
         return main()
-    from vllm_dsv41.ops import l2_prefetch  # noqa: F401  (defines the op)
+    from vllm_dsv41.ops import env_flag, l2_prefetch  # noqa: F401  (defines the ops)
 
-    rows = max(1, min(weight.shape[0], PREFETCH_MAX_BYTES // max(1, weight[0].numel() * weight.element_size())))
+    # the evict-last hint keeps the lines against the streaming reads beside them (the experts' w13 is 70 MB)
+    evict_last = env_flag(EVICT_LAST_ENV, "0")
     current = torch.cuda.current_stream(x.device)
     stream.wait_stream(current)
     try:
         with torch.cuda.stream(stream):
-            torch.ops.dsv41.l2_prefetch(weight[:rows], PREFETCH_PROGRAMS, False)
+            for w in weight if isinstance(weight, tuple) else (weight,):
+                slab = max(1, w[0].numel() * w.element_size())
+                n = max(1, PREFETCH_MAX_BYTES // slab)
+                if rows is None:
+                    torch.ops.dsv41.l2_prefetch(w[:n], PREFETCH_PROGRAMS, evict_last)
+                else:
+                    torch.ops.dsv41.l2_prefetch_rows(w, rows.reshape(-1)[:n], PREFETCH_PROGRAMS, evict_last)
         return main()
     finally:
         current.wait_stream(stream)
