@@ -67,7 +67,8 @@ def main() -> None:
             p = fv.plan(M, N, K, torch.cuda.get_device_properties(0).multi_processor_count, G)
             # session 31: the small shapes' fixed cost (ramp, split-K reduce, tail) is the question; narrow tiles with
             # wide K steps and no split (one program a row block, ~1 a SM) against the plan's split K
-            for label, cfg in (("gemv s=1", {"SPLIT_K": 1, "k_per_split": K}),
+            # session 34: the weight block asked of L2 before the amax pass over x
+            for label, cfg in (("gemv pf", {"PREFETCH": True}), ("gemv s=1", {"SPLIT_K": 1, "k_per_split": K}),
                                ("gemv st=6", {"num_stages": 6}), ("gemv n=128 w8", {"BLOCK_N": 128, "num_warps": 8}),
                                ("gemv 2x split", {"SPLIT_K": min(16, p["SPLIT_K"] * 2),
                                                   "k_per_split": K // min(16, p["SPLIT_K"] * 2)}),

@@ -181,3 +181,19 @@ def test_cuda_two_streams_at_once():
         got = torch.ops.dsv41.fp8_gemv(x, w8, ws)
         torch.cuda.current_stream().wait_stream(side)
         assert torch.equal(got, want) and torch.equal(got2, want2)
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K,G", [(1792, 5120, 1), (5120, 8192, 1), (8192, 4096, 8)])
+def test_cuda_prefetch_first_is_bitwise(monkeypatch, N, K, G):
+    """``VLLM_DSV41_PDL_PREFETCH=1`` without PDL: the weight block asked of L2 before the amax pass changes when bytes
+    move, not one output bit."""
+    monkeypatch.setenv("VLLM_DSV41_PDL", "0")
+    x = torch.randn(1, G * K, device="cuda").bfloat16()
+    _, w8, ws = make_rows(1, N, K, seed=N + K, device="cuda")
+    monkeypatch.setenv(fv.PREFETCH_ENV, "0")
+    off = torch.ops.dsv41.fp8_gemv(x, w8, ws, G)
+    monkeypatch.setenv(fv.PREFETCH_ENV, "1")
+    on = torch.ops.dsv41.fp8_gemv(x, w8, ws, G)
+    assert torch.equal(off, on)

@@ -155,6 +155,24 @@ def test_gemv_prefetch_compiles_before_the_wait():
     assert 0 <= ptx.find("prefetch.global.L2") < wait < first_mem
 
 
+def test_gemv_prefetch_without_pdl_comes_first():
+    """Without PDL, ``PREFETCH`` still asks L2 for the weight lines before the kernel's first global load (the input
+    row for the token amax), and no ``griddepcontrol`` appears."""
+    pytest.importorskip("triton")
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel, sig, consts, options = _compile_case("fp8_gemv_q", False, prefetch=True)
+    ptx = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                         options=options).asm["ptx"]
+    first_mem = min(m.start() for m in re.finditer(r"\b(ld\.global|cp\.async|atom\.|st\.global)", ptx))
+    assert 0 <= ptx.find("prefetch.global.L2") < first_mem
+    assert "griddepcontrol" not in ptx
+
+
 def test_prefetch_setting(monkeypatch):
     from vllm_dsv41.ops import fp8_gemv
 

@@ -95,7 +95,7 @@ def _fp8_gemv_kernel(
     SPLIT_K: tl.constexpr, THREADS: tl.constexpr, INTERPRET: tl.constexpr, PREQUANT: tl.constexpr,
     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
-    if PREFETCH:  # (launched with PDL) this program's weight block into L2 while the kernel before still runs
+    if PREFETCH:  # this program's weight block asked of L2 before the amax pass (and under PDL before the wait)
         pf_rows = tl.minimum(tl.program_id(2) * NG + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
         pf_base = w_ptr + pf_rows.to(tl.int64)[:, None] * K + tl.program_id(1) * k_per_split
         for pf0 in range(0, k_per_split, 1024):
@@ -202,8 +202,10 @@ PREFETCH_ENV = "VLLM_DSV41_PDL_PREFETCH"
 
 
 def prefetch_setting() -> bool:
-    """``VLLM_DSV41_PDL_PREFETCH``: ``1`` lets a GEMV launched with PDL ask L2 for its weight block before it waits for
-    the kernel before it (the weights never depend on that kernel), ``0`` (default, until a GPU measures it) not."""
+    """``VLLM_DSV41_PDL_PREFETCH``: ``1`` lets a GEMV ask L2 for its weight block first: before it waits for the kernel
+    before it when launched with PDL (the weights never depend on that kernel), and before its pass over the input
+    row for the token amax in any case, so the first weight tiles come from L2; ``0`` (default, until a GPU measures
+    it) not."""
     return env_flag(PREFETCH_ENV, "0")
 
 
@@ -257,7 +259,7 @@ def _launch(x: torch.Tensor, xs: torch.Tensor | None, w8: torch.Tensor, w_scale:
     part = torch.empty(split, p["BLOCK_M"], N, dtype=torch.float32, device=x.device) if split > 1 else out
     locks = _locks(x.device, groups * tiles) if split > 1 else out
     launch = pdl_launch(pdl(x))
-    launch["PREFETCH"] = launch["PDL"] and prefetch_setting()
+    launch["PREFETCH"] = not interpreting() and bool(p.get("PREFETCH", prefetch_setting()))
     _fp8_gemv_kernel[(tiles, split, groups)](
         x, s if xs is None else xs.float().reshape(M).contiguous(), w, s, out, part, locks, M, N, K, N // groups,
         p["k_per_split"], x.stride(0), formats.FP8_TOKEN_SCALE_FLOOR,
