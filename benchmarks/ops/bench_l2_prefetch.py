@@ -35,6 +35,20 @@ SHAPES = [("wq_a+wkv", 1792, 5120, 1, "collapse"), ("wq_b", 32768, 1280, 1, "rou
 COPIES, H, C, E = 8, 5120, 4, 32
 
 
+def graph_timed(triton, body) -> tuple[float, list]:
+    """``body()`` (COPIES calls, returning their outputs) captured in one CUDA graph after one eager run that compiles
+    it: µs a call (median of ``do_bench`` over the replays / COPIES) and the outputs of one replay."""
+    body()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        outs = body()
+    ms = triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
+    g.replay()
+    torch.cuda.synchronize()
+    return ms * 1e3 / COPIES, [o.clone() for o in outs]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase-calls", type=int, default=3, help="router launches in the latency-bound phase")
@@ -72,17 +86,6 @@ def main() -> None:
             phase()
         return [xr]
 
-    def timed(body) -> tuple[float, list]:
-        outs = body()  # compiles outside the capture
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = body()
-        ms = triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
-        g.replay()
-        torch.cuda.synchronize()
-        return ms * 1e3 / COPIES, [o.clone() for o in outs]
-
     for name, N, K, G, kind in SHAPES:
         ws = [torch.randn(N, K, device="cuda").mul(0.5).to(torch.float8_e4m3fn) for _ in range(COPIES)]
         wsc = torch.rand(N, 1, device="cuda") * 1e-2 / K ** 0.5 + 1e-4
@@ -104,16 +107,16 @@ def main() -> None:
                 outs.append(ops.fp8_gemv(x, w, wsc, G))
             return outs
 
-        cold, want = timed(lambda: gemvs(ws))
-        hot, _ = timed(lambda: gemvs([ws[0]] * COPIES))
-        alone, _ = timed(phases)
-        serial, base = timed(lambda: gemvs(ws, with_phase=True))
+        cold, want = graph_timed(triton, lambda: gemvs(ws))
+        hot, _ = graph_timed(triton, lambda: gemvs([ws[0]] * COPIES))
+        alone, _ = graph_timed(triton, phases)
+        serial, base = graph_timed(triton, lambda: gemvs(ws, with_phase=True))
         print(f"{name:16s} {mb:5.1f} MB  gemv cold {cold:6.1f}  hot {hot:6.1f}  | phase ({kind}) {alone:6.1f}  "
               f"phase + gemv {serial:6.1f} µs", flush=True)
         for frac in (1.0, 0.5) if mb > 30 else (1.0,):
             for el in (False, True):
                 for p in args.programs:
-                    us, got = timed(lambda: gemvs(ws, with_phase=True, prefetch=(p, el, frac)))
+                    us, got = graph_timed(triton, lambda: gemvs(ws, with_phase=True, prefetch=(p, el, frac)))
                     same = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(base, got))
                     label = f"+ prefetch {p}{'/el' if el else ''}{f' {frac:g}' if frac < 1 else ''}"
                     print(f"    {label:22s} {us:6.1f} µs ({serial - us:+5.1f} against phase + gemv); bitwise: {same}",
@@ -151,15 +154,7 @@ def experts(args, triton, ops, side) -> None:
         return outs
 
     def timed(prefetch):
-        outs = run(prefetch)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            outs = run(prefetch)
-        ms = triton.testing.do_bench(g.replay, warmup=20, rep=200, return_mode="median")
-        g.replay()
-        torch.cuda.synchronize()
-        return ms * 1e3 / COPIES, [o.clone() for o in outs]
+        return graph_timed(triton, lambda: run(prefetch))
 
     base_us, base = timed(None)
     print(f"moe_gemv one token, top-{K_SLOTS} of {E} experts: {base_us:6.1f} µs a call", flush=True)

@@ -134,9 +134,9 @@ def prefetching(x: torch.Tensor, weight: torch.Tensor | tuple[torch.Tensor, ...]
     """``main()``, with ``dsv41::l2_prefetch`` of ``weight`` (a tensor or several) on lane 2 beside it when ``target``
     is switched on and the pass over ``x``'s rows is short enough; joined after ``main``.  With ``rows`` (device
     indices into each weight's first dimension: the chosen experts) only those slabs, ``dsv41::l2_prefetch_rows``.
-    At most :data:`PREFETCH_MAX_BYTES` of each weight is asked for; ``VLLM_DSV41_L2_PREFETCH_EVICT_LAST=1`` asks with the
-    evict-last hint.  The prefetch is a hint: ``main``'s results and the
-    weight's reader's are the same either way."""
+    At most :data:`PREFETCH_MAX_BYTES` of each weight is asked for; ``VLLM_DSV41_L2_PREFETCH_EVICT_LAST=1`` asks with
+    the evict-last hint.  The prefetch is a hint: ``main``'s results and the weight's reader's are the same either
+    way."""
     if weight is None or x.shape[0] > PREFETCH_MAX_ROWS or target not in l2_prefetch_targets():
         return main()
     stream = side_stream_for(x, lane=2)

@@ -32,6 +32,7 @@ import torch
 
 from vllm_dsv41 import formats
 from vllm_dsv41.ops import define_op, env_flag, fp8_gemm
+from vllm_dsv41.ops.l2_prefetch import _prefetch_line
 from vllm_dsv41.ops._triton import (
     HAS_TRITON, gdc_launch_dependents, gdc_wait, interpreting, pdl, pdl_launch, sm_count, tl, triton,
 )
@@ -74,14 +75,6 @@ def _fence(x):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the 128-byte line at each address of ``ptrs`` (a hint: nothing waits for it, no register is written;
-    the addresses must lie inside the tensor)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _fp8_gemv_kernel(
     x_ptr,        # [M, G*K] bf16, or (PREQUANT) [M, K] E4M3 codes (float8e4nv; uint8 in the interpreter)
     xs_ptr,       # (PREQUANT) [M] fp32 per-token scales of those codes
@@ -99,7 +92,7 @@ def _fp8_gemv_kernel(
         pf_rows = tl.minimum(tl.program_id(2) * NG + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
         pf_base = w_ptr + pf_rows.to(tl.int64)[:, None] * K + tl.program_id(1) * k_per_split
         for pf0 in range(0, k_per_split, 1024):
-            _prefetch_l2(pf_base + tl.minimum(pf0 + tl.arange(0, 8) * 128, k_per_split - 1)[None, :])
+            _prefetch_line(pf_base + tl.minimum(pf0 + tl.arange(0, 8) * 128, k_per_split - 1)[None, :])
     if PDL:  # programmatic dependent launch: the previous kernel first
         gdc_wait()
         gdc_launch_dependents()

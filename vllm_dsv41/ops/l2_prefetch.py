@@ -25,6 +25,20 @@ from vllm_dsv41.ops._triton import HAS_TRITON, tl, triton
 
 LINE = 128
 """Bytes of one L2 line request."""
+LINES_PER_STEP = 256
+"""Lines a program asks for per loop step."""
+
+
+@triton.jit
+def _prefetch_line(addr, EVICT_LAST: tl.constexpr = False):
+    """Ask L2 for the 128-byte line at each address of ``addr`` (with the evict-last priority when ``EVICT_LAST``): a
+    hint, nothing waits for it and no register is written; the addresses must lie inside the tensor."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.b32 $0, 0;", "=r,l", [addr],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [addr],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -33,12 +47,7 @@ def _l2_prefetch_kernel(ptr, nlines, LINES: tl.constexpr, EVICT_LAST: tl.constex
     for start in range(tl.program_id(0) * LINES, nlines, step):
         line = tl.minimum(start + tl.arange(0, LINES), nlines - 1).to(tl.int64)
         addr = ptr + line * 128
-        if EVICT_LAST:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.b32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+        _prefetch_line(addr, EVICT_LAST)
 
 
 @triton.jit
@@ -53,12 +62,7 @@ def _l2_prefetch_rows_kernel(ptr, rows_ptr, n_rows, n_slabs, slab_bytes, slab_li
         row = tl.minimum(tl.maximum(row, 0), n_slabs - 1)
         within = tl.minimum((line - slot * slab_lines).to(tl.int64) * 128, slab_bytes - 1)
         addr = ptr + row * slab_bytes + within
-        if EVICT_LAST:
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.b32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
-        else:
-            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.b32 $0, 0;", "=r,l", [addr],
-                                      dtype=tl.int32, is_pure=False, pack=1)
+        _prefetch_line(addr, EVICT_LAST)
 
 
 def _check(t: torch.Tensor, programs: int) -> None:
@@ -79,7 +83,7 @@ def _l2_prefetch_cuda(t: torch.Tensor, programs: int = 16, evict_last: bool = Fa
     if not HAS_TRITON or nbytes == 0:
         return
     nlines = triton.cdiv(nbytes, LINE)
-    lines = 256
+    lines = LINES_PER_STEP
     grid = (max(1, min(programs, triton.cdiv(nlines, lines))),)
     _l2_prefetch_kernel[grid](t.view(torch.uint8).view(-1), nlines,
                               LINES=lines, EVICT_LAST=evict_last, num_warps=4)
@@ -109,7 +113,7 @@ def _l2_prefetch_rows_cuda(t: torch.Tensor, rows: torch.Tensor, programs: int = 
     if not HAS_TRITON or slab == 0 or rows.numel() == 0:
         return
     rows = rows.reshape(-1)
-    lines = 256
+    lines = LINES_PER_STEP
     slab_lines = triton.cdiv(slab, LINE)
     grid = (max(1, min(programs, triton.cdiv(rows.numel() * slab_lines, lines))),)
     _l2_prefetch_rows_kernel[grid](t.view(torch.uint8).view(-1), rows.contiguous(), rows.numel(), t.shape[0], slab,
